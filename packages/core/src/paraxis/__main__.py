@@ -1,0 +1,5 @@
+import sys
+
+from paraxis.cli import main
+
+sys.exit(main())

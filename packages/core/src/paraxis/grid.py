@@ -1,0 +1,184 @@
+"""The process grid: one rank layout, every named group, passed explicitly.
+
+Mesh order, outermost first, is ``pipeline, data, expert, context, tensor`` (DESIGN
+section 2): consecutive ranks differ first in their tensor coordinate, so tensor groups
+sit on the fastest links, as in Megatron-LM's ``initialize_model_parallel``. There is no
+module-level group state; code that needs a group takes the :class:`Grid` (or one
+:class:`AxisGroup`) as an argument.
+
+:class:`GridLayout` is the pure arithmetic (rank <-> coordinates, who shares a group) and
+needs no processes; :class:`Grid` adds the torch.distributed groups.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from paraxis.config import AXES, ParallelConfig
+from paraxis.errors import ConfigError, Problem
+
+__all__ = ["DENSE_REPLICA_AXES", "EXPERT_REPLICA_AXES", "AxisGroup", "Grid", "GridLayout"]
+
+# Dense parameters are identical over these axes and their gradients are averaged there.
+DENSE_REPLICA_AXES: tuple[str, ...] = ("data", "expert", "context")
+# Expert parameters are sharded over `expert`, so they are replicated only over these.
+EXPERT_REPLICA_AXES: tuple[str, ...] = ("data", "context")
+
+
+def _canonical(axes: str | Iterable[str]) -> tuple[str, ...]:
+    names = (axes,) if isinstance(axes, str) else tuple(axes)
+    unknown = [a for a in names if a not in AXES]
+    if unknown:
+        raise KeyError(f"unknown grid axes {unknown}; the axes are {list(AXES)}")
+    return tuple(a for a in AXES if a in names)
+
+
+class GridLayout:
+    """Rank arithmetic for degrees in mesh order; no processes involved."""
+
+    def __init__(self, degrees: Mapping[str, int]):
+        unknown = set(degrees) - set(AXES)
+        if unknown:
+            raise KeyError(f"unknown grid axes {sorted(unknown)}; the axes are {list(AXES)}")
+        self.degrees: dict[str, int] = {a: int(degrees.get(a, 1)) for a in AXES}
+        self.size = math.prod(self.degrees.values())
+        # Row-major strides: the last axis (tensor) varies fastest.
+        self._strides: dict[str, int] = {}
+        stride = 1
+        for axis in reversed(AXES):
+            self._strides[axis] = stride
+            stride *= self.degrees[axis]
+
+    def coords(self, rank: int) -> dict[str, int]:
+        if not 0 <= rank < self.size:
+            raise IndexError(f"rank {rank} outside a grid of {self.size}")
+        return {a: (rank // self._strides[a]) % self.degrees[a] for a in AXES}
+
+    def rank(self, **coords: int) -> int:
+        return sum(coords.get(a, 0) * self._strides[a] for a in AXES)
+
+    def group_ranks(self, axes: str | Iterable[str]) -> list[list[int]]:
+        """All groups of ranks that differ only along ``axes``, each sorted, in order."""
+        along = _canonical(axes)
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for r in range(self.size):
+            c = self.coords(r)
+            key = tuple(c[a] for a in AXES if a not in along)
+            groups.setdefault(key, []).append(r)
+        return list(groups.values())
+
+    def group_of(self, rank: int, axes: str | Iterable[str]) -> list[int]:
+        return next(g for g in self.group_ranks(axes) if rank in g)
+
+
+@dataclass(frozen=True)
+class AxisGroup:
+    """This rank's group along some axes: the members, our index and the process group.
+
+    ``pg`` is None when the group has one member: collectives over it are no-ops.
+    """
+
+    axes: tuple[str, ...]
+    ranks: tuple[int, ...]
+    rank: int
+    pg: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def first(self) -> int:
+        """Global rank of the group's first member (the source of broadcasts)."""
+        return self.ranks[0]
+
+
+class Grid:
+    """The process grid of a run, built once on an initialized default group."""
+
+    # The groups every run gets; more can be asked for by axis tuple.
+    STANDARD: tuple[tuple[str, ...], ...] = (
+        *((a,) for a in AXES), DENSE_REPLICA_AXES, EXPERT_REPLICA_AXES,
+    )
+
+    def __init__(self, layout: GridLayout, rank: int, groups: Mapping[tuple[str, ...], AxisGroup]):
+        self.layout = layout
+        self.rank = rank
+        self.coords = layout.coords(rank)
+        self._groups = dict(groups)
+
+    @classmethod
+    def build(cls, config: ParallelConfig | Mapping[str, int]) -> Grid:
+        """Create every standard group. Collective: all ranks must call it together."""
+        if not dist.is_initialized():
+            raise RuntimeError("Grid.build needs torch.distributed initialized first "
+                               "(torchrun, or dist.init_process_group)")
+        degrees = config.degrees if isinstance(config, ParallelConfig) else dict(config)
+        layout = GridLayout(degrees)
+        world = dist.get_world_size()
+        if world != layout.size:
+            raise ConfigError([Problem("world_size", world,
+                                       f"must equal the product of degrees {layout.degrees} "
+                                       f"= {layout.size}", "launch that many processes")])
+        rank = dist.get_rank()
+        groups: dict[tuple[str, ...], AxisGroup] = {}
+        for axes in cls.STANDARD:
+            axes = _canonical(axes)
+            if axes not in groups:
+                groups[axes] = _new_axis_group(layout, rank, axes)
+        return cls(layout, rank, groups)
+
+    def group(self, axes: str | Iterable[str]) -> AxisGroup:
+        """This rank's group along ``axes`` (a name or several, any order)."""
+        key = _canonical(axes)
+        if key not in self._groups:
+            raise KeyError(f"group {key} was not built; standard groups: "
+                           f"{[list(k) for k in self._groups]}")
+        return self._groups[key]
+
+    def size(self, axis: str) -> int:
+        return self.layout.degrees[axis]
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.size
+
+    def describe(self) -> dict[str, Any]:
+        """Degrees, this rank's coordinates and the members of its groups, for logs."""
+        return {
+            "world_size": self.layout.size,
+            "degrees": dict(self.layout.degrees),
+            "rank": self.rank,
+            "coords": dict(self.coords),
+            "groups": {"x".join(k) or "self": list(g.ranks) for k, g in self._groups.items()},
+        }
+
+    def __repr__(self) -> str:
+        coords = ", ".join(f"{a}={c}" for a, c in self.coords.items())
+        return f"Grid(rank={self.rank}, {coords}, degrees={self.layout.degrees})"
+
+    def destroy(self) -> None:
+        """Destroy the process groups this grid created (not the default group)."""
+        for g in self._groups.values():
+            if g.pg is not None and g.pg is not dist.group.WORLD:
+                dist.destroy_process_group(g.pg)
+        self._groups.clear()
+
+
+def _new_axis_group(layout: GridLayout, rank: int, axes: tuple[str, ...]) -> AxisGroup:
+    mine: AxisGroup | None = None
+    for ranks in layout.group_ranks(axes):
+        pg = None
+        if len(ranks) > 1:
+            # new_group is collective over the default group: every rank creates every
+            # group, in the same order, even the ones it is not in.
+            pg = dist.new_group(ranks=ranks) if len(ranks) < layout.size else dist.group.WORLD
+        if rank in ranks:
+            mine = AxisGroup(axes, tuple(ranks), ranks.index(rank), pg)
+    assert mine is not None
+    return mine
