@@ -3,7 +3,7 @@
 from paraxis import hookspecs
 from paraxis.config import AXES, ParallelConfig
 from paraxis.errors import ConfigError, MissingAxisPackageError, Problem
-from paraxis.grid import AxisGroup, Grid, GridLayout
+from paraxis.grid import AxisGroup, Grid, GridLayout, shutdown
 from paraxis.placement import Placement, Shard, placement_of
 from paraxis.plugins import make_plugin_manager
 from paraxis.strategy import ApplyContext, Phase, Strategy, apply_parallelism
@@ -30,5 +30,6 @@ __all__ = [
     "hookspecs",
     "make_plugin_manager",
     "placement_of",
+    "shutdown",
     "validate",
 ]

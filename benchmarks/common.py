@@ -1,0 +1,53 @@
+"""Shared helpers for paired benchmarks: timing, medians, and the RESULTS.md writer."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+RESULTS = Path(__file__).with_name("RESULTS.md")
+OUT = Path(__file__).with_name("out")
+
+
+def timed_step(step: Callable[[], float | None]) -> tuple[float, float]:
+    """Run one training step between barriers; return (wall seconds, blocked seconds).
+
+    The barriers make every rank's step cover the slowest rank, which is what a
+    synchronous trainer pays.
+    """
+    dist.barrier()
+    start = time.perf_counter()
+    blocked = step() or 0.0
+    dist.barrier()
+    return time.perf_counter() - start, blocked
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def machine() -> str:
+    threads = torch.get_num_threads()
+    return (f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+            f"{threads} thread(s) per rank")
+
+
+def write_section(name: str, markdown: str, payload: dict) -> None:
+    """Replace the ``name`` section of RESULTS.md (or append it) and save the raw JSON."""
+    OUT.mkdir(exist_ok=True)
+    (OUT / f"{name}.json").write_text(json.dumps(payload, indent=2))
+    begin, end = f"<!-- {name} -->", f"<!-- /{name} -->"
+    block = f"{begin}\n{markdown.strip()}\n{end}"
+    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
+    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else f"{text}\n{block}\n"
+    RESULTS.write_text(text)

@@ -1,0 +1,72 @@
+"""Sessions: demo, tests, tests_isolated, lint, bench.
+
+    nox -s tests            everything, in one environment with every package
+    nox -s tests_isolated   each package's tests with only core and that package installed
+    nox -s lint             ruff
+    nox -s demo             the default multi-process training run
+    nox -s bench            the paired benchmarks (updates benchmarks/RESULTS.md)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+# The CPU wheel on this machine's disk; an unpinned torch would pull a CUDA build.
+TORCH = "torch==2.13.0"
+CORE = "packages/core"
+PACKAGES = sorted(
+    str(p.parent.relative_to(ROOT))
+    for p in [*ROOT.glob("packages/*/pyproject.toml"), *ROOT.glob("integrations/*/pyproject.toml")]
+)
+DEV = nox.project.dependency_groups(nox.project.load_toml("pyproject.toml"), "dev")
+
+nox.options.sessions = ["lint", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+def install_all(session: nox.Session) -> None:
+    session.install(TORCH)
+    session.install(*(f"--editable={p}" for p in PACKAGES))
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Every package's tests and the cross-package tests, in one environment."""
+    install_all(session)
+    session.install(*DEV)
+    session.run("pytest", *session.posargs, env={"OMP_NUM_THREADS": "1"})
+
+
+@nox.session
+@nox.parametrize("package", [p for p in PACKAGES if p != CORE])
+def tests_isolated(session: nox.Session, package: str) -> None:
+    """One package's tests with only core and that package installed (not editable),
+    which is how a user who installs one axis gets it."""
+    session.install(TORCH)
+    session.install(f"./{CORE}", f"./{package}", "pytest", "pytest-timeout")
+    session.run("pytest", f"{CORE}/tests", f"{package}/tests", *session.posargs,
+                env={"OMP_NUM_THREADS": "1"})
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """A real multi-process training run with the default configuration."""
+    install_all(session)
+    session.run("python", "examples/train_data_parallel.py", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Paired benchmarks against the peers; each rewrites its section of RESULTS.md."""
+    install_all(session)
+    session.run("torchrun", "--nproc-per-node", "2", "benchmarks/dp_vs_ddp.py",
+                *session.posargs, env={"OMP_NUM_THREADS": "1"})
