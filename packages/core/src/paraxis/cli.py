@@ -1,39 +1,80 @@
-"""The ``paraxis`` command line."""
+"""The ``paraxis`` command line: ``validate`` and ``train``."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
-from paraxis.config import ParallelConfig
 from paraxis.errors import ConfigError
 from paraxis.plugins import make_plugin_manager
-from paraxis.strategy import resolve_strategies
-from paraxis.validation import ModelShape, validate
+from paraxis.run_config import RunConfig
+from paraxis.strategy import missing_axes, resolve_strategies
+from paraxis.validation import ModelShape, check
 
 __all__ = ["main"]
+
+
+def _load_checked(args: argparse.Namespace) -> RunConfig:
+    """Load the config and check everything that can be checked without processes."""
+    config = RunConfig.load(args.config, getattr(args, "overrides", ()))
+    model = ModelShape.from_file(args.model) if getattr(args, "model", None) else None
+    if model is None and config.model.config:
+        model = ModelShape.from_hf_config({**config.model.config,
+                                           "max_position_embeddings": config.train.seq_length})
+        model = model if model.hidden_size and model.num_attention_heads else None
+    pm = make_plugin_manager()
+    problems = config.check_run()
+    problems += check(config, world_size=getattr(args, "world_size", None), model=model)
+    pm.hook.paraxis_validate_config(config=config, model=model, problems=problems)
+    problems += missing_axes(config, pm)
+    if problems:
+        raise ConfigError(problems)
+    return config
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     """Check a config (and optionally a model config) without starting any process."""
     try:
-        config = ParallelConfig.from_yaml(args.config)
-        model = ModelShape.from_file(args.model) if args.model else None
-        pm = make_plugin_manager()
-        validate(config, world_size=args.world_size, model=model, plugin_manager=pm)
-        strategies = resolve_strategies(config, pm)
-    except ConfigError as exc:
+        config = _load_checked(args)
+    except (ConfigError, ImportError, OSError) as exc:
         print(f"{args.config}: {exc}", file=sys.stderr)
         return 1
-    except (ImportError, OSError) as exc:
-        print(f"{args.config}: {exc}", file=sys.stderr)
-        return 1
+    strategies = resolve_strategies(config, make_plugin_manager())
     degrees = " x ".join(f"{a}={d}" for a, d in config.degrees.items())
     names = ", ".join(f"{s.axis} ({s.phase.name.lower()})" for s in strategies) or "none"
     print(f"{args.config}: valid. world size {config.world_size} ({degrees}); "
           f"strategies: {names}")
     return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    """Train from a config; outside torchrun, relaunch under it with the world size."""
+    try:
+        config = _load_checked(args)
+    except (ConfigError, ImportError, OSError) as exc:
+        print(f"{args.config}: {exc}", file=sys.stderr)
+        return 1
+    if "RANK" not in os.environ:
+        return _relaunch(config.world_size, sys.argv[1:] if args.argv is None else args.argv)
+    from paraxis.grid import shutdown
+    from paraxis.trainer import train
+
+    train(config)
+    shutdown()
+    return 0
+
+
+def _relaunch(world_size: int, argv: Sequence[str]) -> int:
+    """Exec torchrun: one process per rank, rendezvous on localhost."""
+    cpus = os.cpu_count() or 1
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cpus // world_size)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={world_size}", "-m", "paraxis", *argv]
+    sys.stdout.flush()
+    os.execv(sys.executable, cmd)
+    return 0  # not reached
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,12 +85,18 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("--model", help="model config: config.json, or YAML with a model: section")
     val.add_argument("--world-size", type=int, default=None,
                      help="check against this many processes")
+    val.add_argument("overrides", nargs="*", help="section.key=value")
     val.set_defaults(func=_cmd_validate)
+    tr = sub.add_parser("train", help=_cmd_train.__doc__)
+    tr.add_argument("--config", required=True, help="YAML run configuration")
+    tr.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=50")
+    tr.set_defaults(func=_cmd_train)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = None if argv is None else list(argv)
     return int(args.func(args))
 
 

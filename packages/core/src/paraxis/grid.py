@@ -156,6 +156,18 @@ class Grid:
     def world_size(self) -> int:
         return self.layout.size
 
+    def sample_shard(self) -> tuple[int, int]:
+        """(index, count) of this rank's share of each global batch: samples are split
+        over data x expert; tensor, context and pipeline ranks of a replica share them."""
+        d = self.layout.degrees
+        return self.coords["data"] * d["expert"] + self.coords["expert"], d["data"] * d["expert"]
+
+    @property
+    def logging_rank(self) -> int:
+        """The rank that logs: the first rank of the last pipeline stage, where the loss
+        is computed."""
+        return self.layout.rank(pipeline=self.layout.degrees["pipeline"] - 1)
+
     def describe(self) -> dict[str, Any]:
         """Degrees, this rank's coordinates and the members of its groups, for logs."""
         return {

@@ -54,3 +54,42 @@ def paraxis_model_plan(model: Any) -> Any:
     Called by core when an axis that rewrites modules (tensor, pipeline, expert) needs a
     plan and the user gave none. firstresult: the first non-None answer wins.
     """
+
+
+@hookspec(firstresult=True)
+def paraxis_build_model(family: str, config: dict[str, Any]) -> Any:
+    """Build a model of ``family`` from the ``config`` mapping, or return None.
+
+    Called by :func:`paraxis.trainer.build_model` for every family core does not build
+    itself (core builds ``tiny``). paraxis-hf answers for transformers model types,
+    building from config only (nothing is downloaded). firstresult.
+    """
+
+
+@hookspec
+def paraxis_log_start(config: Any, grid: dict[str, Any]) -> None:
+    """A run starts: ``config`` is the :class:`paraxis.run_config.RunConfig`, ``grid``
+    the grid's ``describe()``.
+
+    Called by the trainer on the logging rank only (the first rank of the last pipeline
+    stage), before the first step. Logging plugins open their run here and must never
+    raise or block training if their service is unreachable. Not firstresult.
+    """
+
+
+@hookspec
+def paraxis_log_metrics(step: int, metrics: dict[str, float]) -> None:
+    """Metrics of one optimizer step (loss, tokens_per_s, step_time_s, exposed_comm_s...).
+
+    Called by the trainer on the logging rank every ``train.log_every`` steps and at the
+    last step. Must return quickly and never raise. Not firstresult.
+    """
+
+
+@hookspec
+def paraxis_log_end(summary: dict[str, float]) -> None:
+    """The run ended; ``summary`` holds its totals (final loss, mean tokens/s, wall time).
+
+    Called by the trainer on the logging rank after the last step and checkpoint.
+    Logging plugins close their run here. Not firstresult.
+    """

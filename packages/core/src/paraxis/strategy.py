@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from torch import nn
 
-from paraxis.errors import MissingAxisPackageError
+from paraxis.errors import MissingAxisPackageError, Problem
 
 if TYPE_CHECKING:
     import pluggy
@@ -35,6 +35,7 @@ __all__ = [
     "Strategy",
     "apply_parallelism",
     "apply_strategies",
+    "missing_axes",
     "required_axes",
     "resolve_strategies",
 ]
@@ -112,6 +113,17 @@ def required_axes(config: ParallelConfig) -> list[str]:
     elif par.data * par.expert * par.context > 1:
         wanted.append("data")
     return wanted
+
+
+def missing_axes(config: ParallelConfig, pm: pluggy.PluginManager) -> list[Problem]:
+    """A problem for every required axis that no installed plugin provides."""
+    from paraxis.plugins import collect_strategies
+
+    available = collect_strategies(pm)
+    return [Problem(f"parallelism.{axis}", getattr(config.parallelism, axis),
+                    f"no installed package provides the {axis} axis",
+                    f"pip install {PACKAGE_FOR_AXIS[axis]}")
+            for axis in required_axes(config) if axis not in available]
 
 
 def resolve_strategies(config: ParallelConfig, pm: pluggy.PluginManager) -> list[type[Strategy]]:

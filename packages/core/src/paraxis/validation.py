@@ -52,7 +52,7 @@ class ModelShape:
 
         return cls(
             hidden_size=first("hidden_size", "n_embd", "d_model"),
-            num_attention_heads=first("num_attention_heads", "n_head"),
+            num_attention_heads=first("num_attention_heads", "n_head", "num_heads"),
             num_layers=first("num_hidden_layers", "n_layer", "num_layers"),
             vocab_size=first("vocab_size"),
             num_key_value_heads=first("num_key_value_heads"),

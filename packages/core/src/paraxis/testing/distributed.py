@@ -17,12 +17,13 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
+
+from paraxis.launch import free_port
 
 __all__ = ["DistributedWorld", "RankFailure", "free_port", "run_distributed"]
 
@@ -31,12 +32,6 @@ DEFAULT_TIMEOUT = 120.0
 
 class RankFailure(AssertionError):
     """One or more ranks raised, died or did not answer in time."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _worker(rank: int, world: int, port: int, timeout: float,

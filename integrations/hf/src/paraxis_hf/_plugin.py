@@ -1,0 +1,27 @@
+"""Entry point of paraxis-hf in the ``paraxis`` plugin group."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from paraxis.hookspecs import hookimpl
+
+
+@hookimpl
+def paraxis_model_plan(model: Any) -> Any:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return None
+    if not isinstance(model, PreTrainedModel):
+        return None
+    from paraxis_hf.plan import hf_plan
+
+    return hf_plan(model)
+
+
+@hookimpl
+def paraxis_build_model(family: str, config: dict[str, Any]) -> Any:
+    from paraxis_hf.build import build_causal_lm, known_family
+
+    return build_causal_lm(family, config) if known_family(family) else None

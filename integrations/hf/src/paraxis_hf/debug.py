@@ -1,0 +1,30 @@
+"""Debug-sized configs of the families paraxis-hf is tested with (like torchtitan's
+"debugmodel"): small enough for CPU tests, same module structure as the real models."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from paraxis_hf.build import build_causal_lm
+
+__all__ = ["DEBUG_CONFIGS", "build_debug_model"]
+
+_DECODER = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
+            "max_position_embeddings": 64}
+DEBUG_CONFIGS: dict[str, dict[str, object]] = {
+    "llama": _DECODER,
+    "mistral": {**_DECODER, "sliding_window": None},
+    "qwen2": _DECODER,  # q/k/v carry biases
+    "gpt2": {"n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 128, "n_positions": 64,
+             "bos_token_id": 0, "eos_token_id": 0, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+             "attn_pdrop": 0.0},
+    "mixtral": {**_DECODER, "num_local_experts": 4, "num_experts_per_tok": 2},
+}
+
+
+def build_debug_model(family: str, seed: int = 0) -> nn.Module:
+    """The debug-sized ``family`` model, with weights drawn from ``seed``."""
+    torch.manual_seed(seed)
+    return build_causal_lm(family, dict(DEBUG_CONFIGS[family]))

@@ -1,0 +1,74 @@
+"""Read a transformers model's own parallel plans into a :class:`paraxis.ModelPlan`.
+
+transformers (>= 4.50) attaches to each model ``_tp_plan`` (module pattern -> style,
+fully qualified, ``lm_head`` included) and ``_pp_plan`` (module -> input and output
+names); the config holds the base-model versions, ``base_model_tp_plan`` and
+``base_model_pp_plan``, relative to ``base_model_prefix``. Mixture-of-experts blocks
+are the modules that hold an ``experts`` child.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from paraxis.plan import ModelPlan
+
+__all__ = ["hf_plan"]
+
+
+def _prefixed(plan: dict[str, Any] | None, prefix: str) -> dict[str, Any]:
+    return {f"{prefix}.{k}" if prefix else k: v for k, v in (plan or {}).items()}
+
+
+def _tensor_plan(model: nn.Module) -> dict[str, str]:
+    plan = getattr(model, "_tp_plan", None)
+    if plan:
+        return dict(plan)
+    prefix = getattr(model, "base_model_prefix", "")
+    base = _prefixed(getattr(model.config, "base_model_tp_plan", None), prefix)
+    head = getattr(type(model), "_tp_plan", None) or {}
+    return {**base, **head} if base else {}
+
+
+def _pipeline_plan(model: nn.Module) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+    plan = getattr(model, "_pp_plan", None)
+    if not plan:
+        prefix = getattr(model, "base_model_prefix", "")
+        base = _prefixed(getattr(model.config, "base_model_pp_plan", None), prefix)
+        head = getattr(type(model), "_pp_plan", None) or {}
+        plan = {**base, **head} if base else {}
+    # transformers merges the head's entry first; a pipeline needs forward order, which
+    # for these models is registration order.
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    names = sorted(plan, key=lambda n: order.get(n, len(order)))
+    return {n: (tuple(plan[n][0]), tuple(plan[n][1])) for n in names}
+
+
+def _expert_blocks(model: nn.Module) -> tuple[str, ...]:
+    return tuple(name for name, module in model.named_modules()
+                 if isinstance(getattr(module, "experts", None), nn.Module))
+
+
+def hf_plan(model: nn.Module) -> ModelPlan:
+    """The plan of a transformers ``PreTrainedModel``, from the model's own metadata."""
+    cls = type(model).__name__
+    tensor, pipeline = _tensor_plan(model), _pipeline_plan(model)
+    missing = [axis for axis, part in (("tensor", tensor), ("pipeline", pipeline)) if not part]
+    source = "transformers model plan" + (
+        f" (the model defines no {' or '.join(missing)} plan)" if missing else "")
+    return ModelPlan(
+        model_class=cls,
+        tensor=tensor,
+        pipeline=pipeline,
+        experts=_expert_blocks(model),
+        source=source,
+        extra={
+            # Training needs no KV cache; building one costs memory every step.
+            "forward_kwargs": {"use_cache": False},
+            "expert_plan": dict(getattr(model.config, "base_model_ep_plan", None) or {}),
+            "base_model_prefix": getattr(model, "base_model_prefix", ""),
+            "tie_word_embeddings": bool(getattr(model.config, "tie_word_embeddings", False)),
+        },
+    )

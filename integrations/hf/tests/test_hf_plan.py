@@ -1,0 +1,67 @@
+"""Plans read from the models' own metadata, model building, and the loss."""
+
+import pytest
+import torch
+
+from paraxis import PlanError, make_plugin_manager
+from paraxis.engine import causal_lm_loss_sum
+from paraxis.plan import find_plan
+from paraxis_hf import DEBUG_CONFIGS, build_debug_model
+
+DECODERS = ["llama", "mistral", "qwen2"]
+
+
+@pytest.mark.parametrize("family", DECODERS)
+def test_decoder_plans_come_from_the_model(family):
+    model = build_debug_model(family)
+    plan = find_plan(model, make_plugin_manager(), None)
+    assert plan.model_class == type(model).__name__
+    assert plan.tensor_style("model.layers.1.self_attn.q_proj") == "colwise"
+    assert plan.tensor_style("model.layers.0.self_attn.o_proj") == "rowwise"
+    assert plan.tensor_style("model.layers.0.mlp.down_proj") == "rowwise"
+    assert plan.tensor_style("lm_head") == "colwise_gather_output"
+    assert plan.tensor_style("model.embed_tokens") == "embedding_rowwise"
+    assert list(plan.pipeline) == ["model.embed_tokens", "model.layers", "model.norm",
+                                   "lm_head"]  # forward order
+    assert plan.pipeline["model.layers"][0][0] == "hidden_states"
+    plan.check_against(model)  # every pattern names real modules
+    for axis in ("tensor", "pipeline"):
+        plan.require(axis)
+    with pytest.raises(PlanError, match="no expert-parallel plan"):
+        plan.require("expert")
+    assert plan.extra["forward_kwargs"] == {"use_cache": False}
+
+
+def test_gpt2_has_no_plan_and_says_so():
+    plan = find_plan(build_debug_model("gpt2"), make_plugin_manager(), None)
+    assert plan.tensor == {} and plan.pipeline == {}
+    with pytest.raises(PlanError, match=r"GPT2LMHeadModel has no tensor-parallel plan"):
+        plan.require("tensor")
+
+
+def test_moe_blocks_are_found():
+    model = build_debug_model("mixtral")
+    plan = find_plan(model, make_plugin_manager(), None)
+    assert plan.experts == ("model.layers.0.mlp", "model.layers.1.mlp")
+    plan.require("expert")
+
+
+def test_build_hook_and_unknown_family():
+    pm = make_plugin_manager()
+    model = pm.hook.paraxis_build_model(family="qwen2", config=DEBUG_CONFIGS["qwen2"])
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    assert model.model.layers[0].self_attn.q_proj.bias is not None
+    assert pm.hook.paraxis_build_model(family="no-such-family", config={}) is None
+
+
+@pytest.mark.parametrize("family", [*DECODERS, "gpt2"])
+def test_loss_equals_the_models_own_labels_loss(family):
+    model = build_debug_model(family)
+    ids = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[0, :5] = -100
+    labels[2, 9:] = -100
+    want = model(ids, labels=labels, use_cache=False).loss
+    loss_sum, count = causal_lm_loss_sum(model(ids, use_cache=False).logits, labels)
+    assert count == int((labels[:, 1:] != -100).sum())
+    torch.testing.assert_close(loss_sum / count, want, rtol=1e-6, atol=1e-6)

@@ -1,0 +1,81 @@
+"""``paraxis.parallelize``: the one call (DESIGN section 5)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from paraxis.config import ParallelConfig
+from paraxis.engine import Engine
+from paraxis.grid import Grid
+from paraxis.launch import device_for_rank, init_distributed, launched_world_size
+from paraxis.optim import WarmupCosine, build_adamw
+from paraxis.plan import PLANNED_AXES, ModelPlan, find_plan
+from paraxis.plugins import make_plugin_manager
+from paraxis.run_config import TrainSection
+from paraxis.strategy import apply_parallelism, resolve_strategies
+from paraxis.validation import ModelShape, validate
+
+__all__ = ["parallelize"]
+
+
+def parallelize(
+    model: nn.Module,
+    *,
+    data: int = 1,
+    tensor: int = 1,
+    pipeline: int = 1,
+    expert: int = 1,
+    context: int = 1,
+    zero: int = 0,
+    microbatches: int = 1,
+    config: ParallelConfig | None = None,
+    train: TrainSection | dict[str, Any] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    plan: ModelPlan | None = None,
+    model_shape: ModelShape | None = None,
+    plugin_manager: Any = None,
+) -> Engine:
+    """Lay ``model`` out over the grid and return an :class:`Engine` that trains it.
+
+    The degrees (or ``config``, which wins) are validated against the launched world
+    size and the model's shape before any process group exists; then the default group
+    is joined (torchrun's, or a world of one), the grid built, the model's plan found
+    (``plan`` or the first plugin that knows the model), and every axis applied in
+    phase order. ``train`` holds the optimizer, schedule and clipping settings
+    (:class:`paraxis.run_config.TrainSection`); ``optimizer`` replaces the default AdamW.
+    """
+    pm = plugin_manager or make_plugin_manager()
+    if config is None:
+        config = ParallelConfig.from_kwargs(data=data, tensor=tensor, pipeline=pipeline,
+                                            expert=expert, context=context, zero=zero,
+                                            microbatches=microbatches)
+    train_cfg = train if isinstance(train, TrainSection) else TrainSection(**(train or {}))
+    if model_shape is None and hasattr(model, "config"):
+        model_shape = ModelShape.from_hf_config(model.config)
+    if model_shape is not None:  # what is split and counted is the trained length
+        model_shape = dataclasses.replace(model_shape, seq_length=train_cfg.seq_length)
+    validate(config, world_size=launched_world_size(), model=model_shape, plugin_manager=pm)
+    resolve_strategies(config, pm)  # a missing axis package fails here, before any group
+    model_plan = find_plan(model, pm, plan)
+    for axis in PLANNED_AXES:
+        if config.degrees[axis] > 1:
+            model_plan.require(axis)
+
+    init_distributed()
+    grid = Grid.build(config)
+    device = device_for_rank()
+    model.to(device)
+    model, ctx = apply_parallelism(model, grid=grid, config=config, plugin_manager=pm,
+                                   plan=model_plan)
+    if optimizer is None:
+        optimizer = build_adamw(model, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay,
+                                betas=train_cfg.betas)
+    scheduler = WarmupCosine(optimizer, warmup=train_cfg.warmup_steps, total=train_cfg.steps,
+                             min_ratio=train_cfg.min_lr_ratio)
+    return Engine(model, grid=grid, config=config, ctx=ctx, optimizer=optimizer,
+                  scheduler=scheduler, train=train_cfg, plan=model_plan, device=device,
+                  model_shape=model_shape)

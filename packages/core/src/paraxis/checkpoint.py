@@ -1,0 +1,240 @@
+"""Checkpoints that encode the grid (DESIGN section 6).
+
+A checkpoint is a directory ``step-NNNNNNNN/`` holding ``index.json`` and one
+safetensors file per rank; a ``latest`` file beside it names the newest. No pickle.
+
+The index records format and software versions, the parallel and model configs, the
+grid (degrees and every rank's coordinates), the step, the data position, scheduler
+and optimizer hyper-parameters, Python RNG states, and for every tensor its global
+name, shape, dtype and the file, key and offsets of each shard. Each distinct shard is
+written once, by the replica whose coordinates on the replicated axes are all zero.
+Loading computes, for each local tensor, the region it needs from its placement and
+reads only the overlapping parts of the shards, so a checkpoint saved on one grid can
+restore on another.
+
+Writes are atomic: every rank writes into a temporary directory, rank 0 writes the
+index, renames the directory, then replaces ``latest``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from paraxis.placement import Placement, placement_of
+
+if TYPE_CHECKING:
+    from paraxis.engine import Engine
+
+__all__ = ["FORMAT_VERSION", "load_checkpoint", "resolve", "save_checkpoint"]
+
+FORMAT_VERSION = 1
+
+
+def _regions(p: Placement) -> list[list[int]]:
+    """[offset, length] per dimension of this rank's shard of the global tensor."""
+    region = [[0, n] for n in p.global_shape]
+    for s in p.shards:
+        region[s.dim] = [s.offset, s.length]
+    return region
+
+
+def _owner(p: Placement, coords: dict[str, int]) -> bool:
+    return all(coords[a] == 0 for a in p.replicated)
+
+
+def _local_entries(engine: Engine) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The tensors this rank writes and their index entries."""
+    tensors: dict[str, torch.Tensor] = {}
+    entries: dict[str, Any] = {}
+
+    def put(key: str, t: torch.Tensor, shape: list[int], offsets: list[list[int]]) -> None:
+        tensors[key] = t.detach().to("cpu", copy=True).contiguous()
+        entries[key] = {"shape": shape, "dtype": str(t.dtype).removeprefix("torch."),
+                        "offsets": offsets}
+
+    coords = engine.grid.coords
+    for param in engine.model.parameters():
+        rec = placement_of(param)
+        if not _owner(rec, coords):
+            continue
+        put(f"model/{rec.name}", param, list(rec.global_shape), _regions(rec))
+        for k, v in engine.optimizer.state.get(param, {}).items():
+            if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(param.shape):
+                put(f"optim/{rec.name}/{k}", v, list(rec.global_shape), _regions(rec))
+            elif isinstance(v, torch.Tensor):
+                put(f"optim/{rec.name}/{k}", v, list(v.shape), [[0, n] for n in v.shape])
+    rank = engine.grid.rank
+    put(f"rng/rank{rank}/torch", torch.get_rng_state(), [-1], [])
+    if torch.cuda.is_available():
+        put(f"rng/rank{rank}/cuda", torch.cuda.get_rng_state(), [-1], [])
+    return tensors, entries
+
+
+def save_checkpoint(engine: Engine, directory: str | os.PathLike[str]) -> str:
+    """Write ``directory/step-NNNNNNNN`` and point ``directory/latest`` at it.
+    Collective: every rank calls it."""
+    root = Path(directory)
+    name = f"step-{engine.step:08d}"
+    tmp = root / f".tmp-{name}"
+    rank = engine.grid.rank
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    filename = f"rank{rank:05d}.safetensors"
+    tensors, entries = _local_entries(engine)
+    save_file(tensors, str(tmp / filename))
+    gathered: list[Any] = [None] * engine.grid.world_size
+    dist.all_gather_object(gathered, (filename, entries, random.getstate()))
+    if rank == 0:
+        index = _index(engine, gathered)
+        (tmp / "index.json").write_text(json.dumps(index, indent=1))
+        final = root / name
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        pointer = root / ".latest.tmp"
+        pointer.write_text(name + "\n")
+        os.replace(pointer, root / "latest")
+    dist.barrier()
+    return str(root / name)
+
+
+def _index(engine: Engine, gathered: list[Any]) -> dict[str, Any]:
+    layout = engine.grid.layout
+    tensors: dict[str, Any] = {}
+    for filename, entries, _ in gathered:
+        for key, e in entries.items():
+            slot = tensors.setdefault(key, {"shape": e["shape"], "dtype": e["dtype"],
+                                            "shards": []})
+            slot["shards"].append({"file": filename, "key": key, "offsets": e["offsets"]})
+    model_cfg = getattr(engine.model, "config", None)
+    if hasattr(model_cfg, "to_dict"):
+        model_cfg = model_cfg.to_dict()
+    elif model_cfg is not None and hasattr(model_cfg, "__dataclass_fields__"):
+        model_cfg = dict(model_cfg.__dict__)
+    opt_groups = [{k: v for k, v in g.items() if k != "params"}
+                  for g in engine.optimizer.param_groups]
+    return {
+        "format": "paraxis-checkpoint",
+        "format_version": FORMAT_VERSION,
+        "versions": {"paraxis": _version(), "torch": torch.__version__,
+                     "python": platform.python_version()},
+        "parallel_config": engine.config.model_dump(mode="json"),
+        "model_config": json.loads(json.dumps(model_cfg, default=str)),
+        "grid": {"degrees": layout.degrees, "world_size": layout.size,
+                 "coords": [layout.coords(r) for r in range(layout.size)]},
+        "step": engine.step,
+        "data": engine.data_state,
+        "scheduler": engine.scheduler.state_dict() if engine.scheduler else None,
+        "optimizer": {"param_groups": opt_groups},
+        "python_rng": [list(map(_jsonable, state)) for _, _, state in gathered],
+        "tensors": tensors,
+    }
+
+
+def _jsonable(x: Any) -> Any:
+    return [_jsonable(v) for v in x] if isinstance(x, tuple) else x
+
+
+def _version() -> str:
+    from paraxis import __version__
+
+    return __version__
+
+
+def resolve(directory: str | os.PathLike[str]) -> Path:
+    """A step directory: ``directory`` itself, or what its ``latest`` names."""
+    root = Path(directory)
+    if (root / "index.json").exists():
+        return root
+    latest = root / "latest"
+    if not latest.exists():
+        raise FileNotFoundError(f"no checkpoint in {root}: neither index.json nor latest")
+    return root / latest.read_text().strip()
+
+
+class _Reader:
+    def __init__(self, ckpt: Path, index: dict[str, Any]):
+        self.ckpt, self.index = ckpt, index
+        self._open: dict[str, Any] = {}
+
+    def _file(self, name: str) -> Any:
+        if name not in self._open:
+            self._open[name] = safe_open(str(self.ckpt / name), framework="pt")
+        return self._open[name]
+
+    def read(self, key: str, region: list[list[int]] | None = None) -> torch.Tensor:
+        """The part ``region`` ([offset, length] per dim) of tensor ``key``, assembled
+        from whichever shards overlap it."""
+        entry = self.index["tensors"][key]
+        if region is None or entry["shape"] == [-1]:
+            (shard,) = entry["shards"][:1]
+            return self._file(shard["file"]).get_tensor(shard["key"])
+        out = torch.empty([n for _, n in region], dtype=getattr(torch, entry["dtype"]))
+        covered = 0
+        for shard in entry["shards"]:
+            src, dst, ok = [], [], True
+            for (lo, n), (so, sn) in zip(region, shard["offsets"], strict=True):
+                a, b = max(lo, so), min(lo + n, so + sn)
+                if a >= b:
+                    ok = False
+                    break
+                src.append(slice(a - so, b - so))
+                dst.append(slice(a - lo, b - lo))
+            if ok:
+                piece = self._file(shard["file"]).get_slice(shard["key"])[tuple(src)]
+                out[tuple(dst)] = piece
+                covered += piece.numel()
+        if covered < out.numel():
+            raise ValueError(f"checkpoint shards cover {covered} of {out.numel()} elements "
+                             f"of {key} region {region}")
+        return out
+
+
+@torch.no_grad()
+def load_checkpoint(engine: Engine, directory: str | os.PathLike[str]) -> None:
+    """Restore model, optimizer, scheduler, step, data position and (same grid) RNG."""
+    ckpt = resolve(directory)
+    index = json.loads((ckpt / "index.json").read_text())
+    if index.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{ckpt}: format version {index.get('format_version')} is not "
+                         f"{FORMAT_VERSION}")
+    reader = _Reader(ckpt, index)
+    for param in engine.model.parameters():
+        rec = placement_of(param)
+        param.copy_(reader.read(f"model/{rec.name}", _regions(rec)))
+        state: dict[str, torch.Tensor] = {}
+        prefix = f"optim/{rec.name}/"
+        for key in (k for k in index["tensors"] if k.startswith(prefix)):
+            shape = index["tensors"][key]["shape"]
+            region = _regions(rec) if shape == list(rec.global_shape) else None
+            state[key.removeprefix(prefix)] = reader.read(key, region).to(param.device)
+        if state:
+            engine.optimizer.state[param] = state
+    for group, saved in zip(engine.optimizer.param_groups,
+                            index["optimizer"]["param_groups"], strict=True):
+        group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
+    if engine.scheduler is not None and index["scheduler"] is not None:
+        engine.scheduler.load_state_dict(index["scheduler"])
+    engine.step = int(index["step"])
+    engine.data_state = dict(index["data"])
+    same_grid = index["grid"]["degrees"] == engine.grid.layout.degrees
+    if same_grid:  # RNG streams belong to ranks; on another grid they mean nothing
+        rank = engine.grid.rank
+        torch.set_rng_state(reader.read(f"rng/rank{rank}/torch"))
+        if torch.cuda.is_available() and f"rng/rank{rank}/cuda" in index["tensors"]:
+            torch.cuda.set_rng_state(reader.read(f"rng/rank{rank}/cuda"))
+        version, internal, gauss = index["python_rng"][rank]
+        random.setstate((version, tuple(internal), gauss))
+    dist.barrier()

@@ -1,0 +1,127 @@
+"""Step metrics (DESIGN section 7): timeline, exposed communication, MFU, memory.
+
+* A per-rank :class:`Tracer` records compute and communication spans; exported as a
+  Chrome trace (JSON for Perfetto / chrome://tracing).
+* Exposed communication is the time the training thread sat blocked on collectives:
+  the step's critical path minus its compute (overlapped communication is free).
+* MFU counts model FLOPs per token as 6N + 12·L·H·Q·T (PaLM, arXiv:2204.02311,
+  appendix B): N non-embedding parameters, L layers, H heads, Q head dim, T sequence
+  length; divided by the configured peak FLOP/s per device. Recomputation is not counted
+  (that would be HFU). Without a peak, MFU is not reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import resource
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["Tracer", "flops_per_token", "memory_stats", "mfu", "non_embedding_params"]
+
+
+@dataclass
+class Span:
+    name: str
+    cat: str  # "compute" or "comm"
+    start: float
+    end: float
+
+
+class Tracer:
+    """Spans of this rank's training thread, in seconds since the tracer started."""
+
+    def __init__(self, rank: int = 0):
+        self.rank = rank
+        self.origin = time.perf_counter()
+        self.spans: list[Span] = []
+
+    @contextlib.contextmanager
+    def span(self, name: str, cat: str = "compute") -> Iterator[None]:
+        start = time.perf_counter() - self.origin
+        try:
+            yield
+        finally:
+            self.spans.append(Span(name, cat, start, time.perf_counter() - self.origin))
+
+    def add(self, name: str, cat: str, seconds: float) -> None:
+        """A span that just ended, lasting ``seconds`` (e.g. a wait measured elsewhere)."""
+        end = time.perf_counter() - self.origin
+        self.spans.append(Span(name, cat, end - seconds, end))
+
+    def comm_seconds(self, since: int = 0) -> float:
+        return sum(s.end - s.start for s in self.spans[since:] if s.cat == "comm")
+
+    def clear(self) -> None:
+        self.spans.clear()
+
+    def export(self, path: str | Path) -> Path:
+        """Write the spans as Chrome trace events (one process per rank)."""
+        events = [{"name": s.name, "cat": s.cat, "ph": "X", "pid": self.rank,
+                   "tid": 0 if s.cat == "compute" else 1,
+                   "ts": s.start * 1e6, "dur": (s.end - s.start) * 1e6} for s in self.spans]
+        events.append({"name": "process_name", "ph": "M", "pid": self.rank,
+                       "args": {"name": f"rank {self.rank}"}})
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+        return path
+
+
+def non_embedding_params(model: nn.Module) -> int:
+    """Parameters outside embedding tables (token and learned position embeddings).
+    The output projection is a matmul per token and stays counted."""
+    embedding = {id(p) for m in model.modules() if isinstance(m, nn.Embedding)
+                 for p in m.parameters()}
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if id(p) in seen or id(p) in embedding:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+    return total
+
+
+def flops_per_token(n_params: int, layers: int, heads: int, head_dim: int, seq: int) -> float:
+    """6N + 12·L·H·Q·T: forward and backward matmuls plus attention scores."""
+    return 6.0 * n_params + 12.0 * layers * heads * head_dim * seq
+
+
+def mfu(tokens_per_s: float, per_token: float, peak_flops: float, devices: int) -> float:
+    return tokens_per_s * per_token / (peak_flops * devices)
+
+
+def memory_stats(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 device: torch.device) -> dict[str, float]:
+    """Peak memory of this rank: the CUDA allocator's peak on GPU; on CPU the bytes of
+    model state (parameters, gradients, optimizer state) and the process's peak RSS."""
+    if device.type == "cuda":
+        return {"peak_alloc_bytes": float(torch.cuda.max_memory_allocated(device))}
+    state = 0
+    for p in model.parameters():
+        state += p.numel() * p.element_size()
+        if p.grad is not None:
+            state += p.grad.numel() * p.grad.element_size()
+    if optimizer is not None:
+        for st in optimizer.state.values():
+            state += sum(t.numel() * t.element_size() for t in st.values()
+                         if isinstance(t, torch.Tensor))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss *= 1 if sys.platform == "darwin" else 1024  # Linux reports KiB
+    return {"model_state_bytes": float(state), "peak_rss_bytes": float(rss)}
+
+
+def spread(value: float, group: object = None) -> tuple[float, float]:
+    """(min, max) of ``value`` over the ranks of ``group`` (all ranks by default)."""
+    t = torch.tensor([value, -value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return -t[1].item(), t[0].item()

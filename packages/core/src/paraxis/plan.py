@@ -1,0 +1,75 @@
+"""Model plans: which modules an axis rewrites, as plain data (house rule 4).
+
+A plan is built by an integration (paraxis-hf reads Hugging Face's own
+``_tp_plan``/``_pp_plan``) or written by hand for a torch module. Axis packages read it;
+they never look up per-model tables of their own.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+__all__ = ["ModelPlan", "PlanError", "find_plan"]
+
+# Axes that rewrite modules and so cannot run without a plan.
+PLANNED_AXES = ("tensor", "pipeline", "expert")
+
+
+class PlanError(ValueError):
+    """A plan is missing, or names a module or style that does not exist."""
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """What the parallel axes need to know about one model.
+
+    ``tensor``: module-name pattern (``*`` for a layer index) -> style, in the vocabulary
+    of transformers' tensor-parallel plans (``colwise``, ``rowwise``, ``embedding_rowwise``,
+    ``colwise_gather_output``...). ``pipeline``: module name -> (input names, output
+    names), in forward order; the entry whose module is a ModuleList holds the layers.
+    ``experts``: names of mixture-of-experts blocks. ``source`` says where it came from.
+    """
+
+    model_class: str
+    tensor: dict[str, str] = field(default_factory=dict)
+    pipeline: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = field(default_factory=dict)
+    experts: tuple[str, ...] = ()
+    source: str = "hand-written"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def require(self, axis: str) -> None:
+        """Raise a clear error if ``axis`` needs a part of the plan this model lacks."""
+        have = {"tensor": bool(self.tensor), "pipeline": bool(self.pipeline),
+                "expert": bool(self.experts)}
+        if axis in have and not have[axis]:
+            raise PlanError(
+                f"{self.model_class} has no {axis}-parallel plan ({self.source}); "
+                f"{axis} parallelism needs one. Pass plan=ModelPlan(...) to parallelize(), "
+                f"or set {axis}=1")
+
+    def tensor_style(self, module_name: str) -> str | None:
+        """The tensor-parallel style for a module, matching ``*`` against layer indices."""
+        for pattern, style in self.tensor.items():
+            if fnmatch.fnmatchcase(module_name, pattern):
+                return style
+        return None
+
+    def check_against(self, model: nn.Module) -> None:
+        """Every pattern must name at least one module of ``model``."""
+        names = [n for n, _ in model.named_modules()]
+        missing = [p for p in [*self.tensor, *self.pipeline, *self.experts]
+                   if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+        if missing:
+            raise PlanError(f"{self.model_class}: plan entries match no module: {missing}")
+
+
+def find_plan(model: nn.Module, plugin_manager: Any, given: ModelPlan | None) -> ModelPlan:
+    """The given plan, else the first plugin's answer, else an empty one."""
+    if given is not None:
+        return given
+    found = plugin_manager.hook.paraxis_model_plan(model=model)
+    return found or ModelPlan(type(model).__name__, source="no plugin knows this model")

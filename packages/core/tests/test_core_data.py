@@ -1,0 +1,86 @@
+"""Packed token sequences and the batch stream, without processes."""
+
+import json
+
+import pytest
+import torch
+
+from paraxis.data import BatchStream, ByteTokenizer, iter_documents, pack
+from paraxis.run_config import DataSection
+
+
+def test_default_corpus_is_the_stdlib_and_offline():
+    docs = list(iter_documents(DataSection(max_bytes=200_000)))
+    assert len(docs) > 3 and "import" in "".join(docs)
+    assert sum(len(d.encode()) for d in docs) <= 200_000
+
+
+def test_text_and_jsonl_sources_pack_with_separators(tmp_path):
+    (tmp_path / "a.txt").write_text("hello world")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "abc"}) + "\n" +
+                                      json.dumps({"text": "de"}) + "\n")
+    rows = pack(DataSection(source=str(tmp_path)), 4, ByteTokenizer())
+    flat = rows.flatten().tolist()
+    want = [*b"hello world", 0, *b"abc", 0, *b"de", 0]
+    assert flat == want[: len(flat)] and rows.shape == (len(want) // 4, 4)
+
+
+def test_hf_dataset_saved_to_disk(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"body": ["first doc", "second"]}).save_to_disk(tmp_path / "ds")
+    docs = list(iter_documents(DataSection(source=str(tmp_path / "ds"), text_field="body")))
+    assert docs == ["first doc", "second"]
+
+
+def test_ranks_read_disjoint_slices_and_position_resumes():
+    rows = torch.arange(64 * 3).view(64, 3)
+    streams = [BatchStream(rows, global_batch=8, rank=r, ranks=4, seed=5) for r in range(4)]
+    seen = []
+    for _ in range(3):
+        parts = [s.next_batch() for s in streams]
+        assert all(p.shape == (2, 3) for p in parts)
+        seen.append(torch.cat(parts))
+    firsts = torch.cat(seen)[:, 0].tolist()
+    assert len(set(firsts)) == len(firsts)  # no sample served twice within an epoch
+    resumed = BatchStream(rows, global_batch=8, rank=1, ranks=4, seed=5)
+    resumed.load_state_dict(streams[1].state_dict())
+    assert resumed.position == 24
+    assert torch.equal(resumed.next_batch(), streams[1].next_batch())
+
+
+def test_epochs_wrap_with_a_new_order():
+    rows = torch.arange(16).view(16, 1)
+    s = BatchStream(rows, global_batch=8, rank=0, ranks=1, seed=0)
+    epoch0 = torch.cat([s.next_batch(), s.next_batch()]).flatten()
+    epoch1 = torch.cat([s.next_batch(), s.next_batch()]).flatten()
+    assert sorted(epoch0.tolist()) == sorted(epoch1.tolist()) == list(range(16))
+    assert not torch.equal(epoch0, epoch1)
+
+
+def test_too_little_data_is_a_clear_error(tmp_path):
+    (tmp_path / "t.txt").write_text("ab")
+    with pytest.raises(ValueError, match="fewer than one sequence"):
+        pack(DataSection(source=str(tmp_path / "t.txt")), 64, ByteTokenizer())
+    with pytest.raises(ValueError, match="only 2 sequences"):
+        BatchStream(torch.zeros(2, 4), global_batch=4, rank=0, ranks=1)
+
+
+def test_local_hugging_face_tokenizer(tmp_path):
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    # Train a tiny BPE in memory and save it: a local tokenizer, nothing downloaded.
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["def f(x): return x", "import os"] * 20,
+                            trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>", "</s>"]))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(tmp_path / "tok")
+    (tmp_path / "corpus.txt").write_text("def f(x): return x\n" * 50)
+    from paraxis.data import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tmp_path / "tok"))
+    rows = pack(DataSection(source=str(tmp_path / "corpus.txt")), 8, tokenizer)
+    assert rows.max() < tokenizer.vocab_size and rows.shape[1] == 8
+    assert tokenizer.separator == tokenizer.tok.eos_token_id

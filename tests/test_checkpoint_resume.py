@@ -1,0 +1,92 @@
+"""Checkpoints: the format on disk, exact resume in new processes, another grid."""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+import paraxis
+from paraxis.run_config import RunConfig
+from paraxis.testing import run_distributed
+from paraxis.tiny import TinyConfig, TinyTransformer
+from paraxis.trainer import train
+
+
+def run_config(steps, ckpt=None, data=2, exit_after=None):
+    return RunConfig.from_dict({
+        "parallelism": {"data": data},
+        "schedule": {"microbatches": 2},
+        "model": {"family": "tiny", "config": {"hidden_size": 32, "num_layers": 2,
+                                               "num_heads": 4, "intermediate_size": 64}},
+        "train": {"steps": steps, "global_batch": 8, "seq_length": 32, "lr": 5e-3,
+                  "warmup_steps": 3, "log_every": 100, "checkpoint_dir": ckpt,
+                  "exit_after_steps": exit_after},
+        "data": {"max_bytes": 60_000},
+        "logging": {"progress": False, "wandb": False},
+    })
+
+
+def train_losses(steps, ckpt, exit_after=None):
+    history = []
+    train(run_config(steps, ckpt, exit_after=exit_after), history)
+    return [m["loss"] for m in history]
+
+
+def test_resume_in_new_processes_repeats_the_same_losses(tmp_path):
+    straight = run_distributed(train_losses, 2, 20, None)[0]
+    ckpt = str(tmp_path / "ckpt")
+    first = run_distributed(train_losses, 2, 20, ckpt, 10)[0]  # saves at step 10, exits
+    second = run_distributed(train_losses, 2, 20, ckpt)[0]  # new processes, resumes
+    assert len(first) == 10 and len(second) == 10
+    assert first + second == straight  # bit for bit, not approximately
+
+
+def test_checkpoint_directory_format(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run_distributed(train_losses, 2, 3, str(ckpt))
+    assert (ckpt / "latest").read_text().strip() == "step-00000003"
+    step_dir = ckpt / "step-00000003"
+    assert sorted(p.name for p in step_dir.iterdir()) == [
+        "index.json", "rank00000.safetensors", "rank00001.safetensors"]
+    assert not list(ckpt.glob(".tmp-*"))  # the atomic write left nothing behind
+    index = json.loads((step_dir / "index.json").read_text())
+    assert index["format_version"] == 1 and index["step"] == 3
+    assert index["grid"]["degrees"]["data"] == 2 and len(index["grid"]["coords"]) == 2
+    assert index["data"] == {"position": 24, "seed": 0}
+    assert index["parallel_config"]["parallelism"]["data"] == 2
+    assert index["model_config"]["hidden_size"] == 32
+    assert {"torch", "paraxis", "python"} <= set(index["versions"])
+    assert index["scheduler"]["step_count"] == 3
+    emb = index["tensors"]["model/embed.weight"]
+    assert emb["shape"] == [256, 32] and emb["dtype"] == "float32"
+    # Replicated tensors are written once, by the first replica.
+    assert [s["file"] for s in emb["shards"]] == ["rank00000.safetensors"]
+    assert {"optim/embed.weight/exp_avg", "optim/embed.weight/exp_avg_sq",
+            "optim/embed.weight/step", "rng/rank1/torch"} <= set(index["tensors"])
+    with safe_open(str(step_dir / "rank00001.safetensors"), "pt") as f:
+        assert list(f.keys()) == ["rng/rank1/torch"]
+
+
+def load_on_one_rank(ckpt):
+    torch.manual_seed(123)  # different weights, to be overwritten
+    cfg = TinyConfig(vocab_size=256, hidden_size=32, num_layers=2, num_heads=4,
+                     intermediate_size=64, seq_length=32)
+    engine = paraxis.parallelize(TinyTransformer(cfg), train={"seq_length": 32})
+    engine.load(ckpt)
+    out = (engine.step, engine.data_state, {n: p.detach().clone()
+                                            for n, p in engine.model.named_parameters()})
+    engine.close()
+    return out
+
+
+
+def test_a_checkpoint_from_two_ranks_loads_on_one(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(train_losses, 2, 4, ckpt)
+    step, data, params = run_distributed(load_on_one_rank, 1, ckpt)[0]
+    assert step == 4 and data["position"] == 32
+    step_dir = Path(ckpt) / "step-00000004"
+    with safe_open(str(step_dir / "rank00000.safetensors"), "pt") as f:
+        for name, p in params.items():
+            assert torch.equal(p, f.get_tensor(f"model/{name}")), name

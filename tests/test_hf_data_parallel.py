@@ -1,0 +1,43 @@
+"""Hugging Face models through paraxis.parallelize: data=2 against a world of one, per
+family, with uneven -100 labels and 2 microbatches (losses and parameters, rtol 1e-5)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import paraxis
+from paraxis_hf import build_debug_model
+
+STEPS, BATCH, SEQ = 4, 4, 16
+
+
+def run_family(family, microbatches):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    engine = paraxis.parallelize(build_debug_model(family), data=world, microbatches=microbatches,
+                                 train={"steps": STEPS, "lr": 1e-3, "warmup_steps": 1,
+                                        "seq_length": SEQ})
+    assert engine.plan.model_class == type(engine.model).__name__
+    g = torch.Generator().manual_seed(3)
+    per = BATCH // world
+    losses = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, 128, (BATCH, SEQ), generator=g)
+        labels = ids.clone()
+        labels[0, :9] = -100
+        part = slice(rank * per, (rank + 1) * per)
+        losses.append(engine.train_step({"input_ids": ids[part], "labels": labels[part]})["loss"])
+    params = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    engine.close()
+    return losses, params
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gpt2"])
+def test_hf_family_data_parallel_matches_one_process(worlds, family):
+    (ref_losses, ref_params), = worlds.run(1, run_family, family, 1)
+    for losses, params in worlds.run(2, run_family, family, 2):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
+                                   rtol=1e-5, atol=0)
+        for name, p in params.items():
+            torch.testing.assert_close(p, ref_params[name], rtol=1e-5, atol=1e-6)
+    initial = dict(build_debug_model(family).named_parameters())
+    assert any(not torch.equal(p, initial[n]) for n, p in ref_params.items())  # it trained
