@@ -1,0 +1,28 @@
+"""Entry point of paraxis-wandb in the ``paraxis`` plugin group.
+
+The logger is per process; the trainer calls these hooks on the logging rank only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from paraxis.hookspecs import hookimpl
+from paraxis_wandb.logger import WandbLogger
+
+_logger = WandbLogger()
+
+
+@hookimpl
+def paraxis_log_start(config: Any, grid: dict[str, Any]) -> None:
+    _logger.start(config, grid)
+
+
+@hookimpl
+def paraxis_log_metrics(step: int, metrics: dict[str, float]) -> None:
+    _logger.metrics(step, metrics)
+
+
+@hookimpl
+def paraxis_log_end(summary: dict[str, float]) -> None:
+    _logger.end(summary)

@@ -1,0 +1,60 @@
+"""The W&B logger: opens a run on the logging rank, never lets W&B stop training."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+__all__ = ["WandbLogger"]
+
+log = logging.getLogger(__name__)
+
+
+class WandbLogger:
+    """One W&B run per training run. Every call swallows W&B's failures: a run that
+    cannot log keeps training and says so once."""
+
+    def __init__(self, init_timeout_s: float = 30.0):
+        self.run: Any = None
+        self.init_timeout_s = init_timeout_s
+
+    def start(self, config: Any, grid: dict[str, Any]) -> None:
+        section = getattr(config, "logging", None)
+        if section is not None and not section.wandb:
+            return
+        try:
+            import wandb
+        except ImportError:
+            return
+        payload = {"run": config.model_dump(mode="json"), "grid": grid}
+        kwargs = {"project": getattr(section, "project", "paraxis"),
+                  "name": getattr(section, "run_name", None), "config": payload,
+                  "dir": os.environ.get("WANDB_DIR")}
+        for mode in (None, "offline"):  # as configured (WANDB_MODE), then offline
+            try:
+                settings = wandb.Settings(init_timeout=self.init_timeout_s, silent=True)
+                self.run = wandb.init(mode=mode, settings=settings, **kwargs)
+                return
+            except Exception as exc:  # W&B raises many types when unreachable
+                log.warning("W&B init failed (%s mode): %s", mode or "configured", exc)
+        log.warning("W&B logging disabled for this run; training continues")
+
+    def metrics(self, step: int, metrics: dict[str, float]) -> None:
+        if self.run is None:
+            return
+        try:
+            self.run.log(dict(metrics), step=step)
+        except Exception as exc:
+            log.warning("W&B log failed, logging disabled for this run: %s", exc)
+            self.run = None
+
+    def end(self, summary: dict[str, float]) -> None:
+        if self.run is None:
+            return
+        try:
+            self.run.summary.update(dict(summary))
+            self.run.finish()
+        except Exception as exc:
+            log.warning("W&B finish failed: %s", exc)
+        self.run = None

@@ -1,0 +1,66 @@
+"""The W&B logger never stops training: offline runs, failures, and switching off."""
+
+import pytest
+
+from paraxis.run_config import RunConfig
+from paraxis_wandb import WandbLogger
+
+
+def config(**logging):
+    return RunConfig.from_dict({"logging": {"run_name": "unit", **logging}})
+
+
+def test_offline_run_records_config_metrics_and_summary(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    logger = WandbLogger()
+    logger.start(config(), {"degrees": {"data": 2}, "rank": 0})
+    assert logger.run is not None
+    logger.metrics(1, {"loss": 5.0, "tokens_per_s": 1000.0})
+    logger.end({"final_loss": 4.0})
+    (record,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    data = record.read_bytes()
+    for key in (b"tokens_per_s", b"final_loss", b"degrees", b"unit"):
+        assert key in data, key
+
+
+def test_switched_off_opens_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    logger = WandbLogger()
+    logger.start(config(wandb=False), {})
+    assert logger.run is None
+    logger.metrics(1, {"loss": 1.0})  # no-ops, no errors
+    logger.end({})
+    assert not (tmp_path / "wandb").exists()
+
+
+class _Broken:
+    def log(self, *a, **k):
+        raise ConnectionError("unreachable")
+
+
+def test_a_failing_service_disables_logging_once(caplog):
+    logger = WandbLogger()
+    logger.run = _Broken()
+    logger.metrics(3, {"loss": 1.0})
+    assert logger.run is None
+    assert "logging disabled" in caplog.text
+    logger.metrics(4, {"loss": 1.0})  # stays quiet and off
+
+
+def test_init_failure_falls_back_to_offline(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    real_init, modes = wandb.init, []
+
+    def flaky_init(*args, mode=None, **kwargs):
+        modes.append(mode)
+        if mode is None:
+            raise TimeoutError("no route to api.wandb.ai")
+        return real_init(*args, mode=mode, **kwargs)
+
+    monkeypatch.setattr(wandb, "init", flaky_init)
+    logger = WandbLogger()
+    logger.start(config(), {})
+    assert modes == [None, "offline"] and logger.run is not None
+    logger.end({})
