@@ -42,14 +42,13 @@ def test_all_model_problems_reported_together():
     assert "choose tensor among [1, 2, 4]" in str(ConfigError(problems))
 
 
-def test_kv_heads_fewer_than_tensor_degree_are_allowed_when_they_divide_it():
+def test_kv_heads_must_split_over_the_tensor_degree():
     shape = ModelShape(hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
                        num_layers=2, vocab_size=100)
-    assert check(ParallelConfig.from_kwargs(tensor=4), model=shape) == []
-    shape3 = ModelShape(hidden_size=96, num_attention_heads=12, num_key_value_heads=3,
-                        num_layers=2, vocab_size=100)
-    assert fields(check(ParallelConfig.from_kwargs(tensor=4), model=shape3)) == [
-        "model.num_key_value_heads"]
+    assert check(ParallelConfig.from_kwargs(tensor=2), model=shape) == []
+    (p,) = check(ParallelConfig.from_kwargs(tensor=4), model=shape)
+    assert p.field == "model.num_key_value_heads" and "never replicated" in p.rule
+    assert "choose tensor among [1, 2]" in str(p)
 
 
 def test_unsupported_combinations():

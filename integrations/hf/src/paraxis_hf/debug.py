@@ -21,10 +21,13 @@ DEBUG_CONFIGS: dict[str, dict[str, object]] = {
              "bos_token_id": 0, "eos_token_id": 0, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
              "attn_pdrop": 0.0},
     "mixtral": {**_DECODER, "num_local_experts": 4, "num_experts_per_tok": 2},
+    # Fused qkv_proj and gate_up_proj (tensor plan: colwise_gather_output).
+    "phi3": {**_DECODER, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
 }
 
 
-def build_debug_model(family: str, seed: int = 0) -> nn.Module:
-    """The debug-sized ``family`` model, with weights drawn from ``seed``."""
+def build_debug_model(family: str, seed: int = 0, **overrides: object) -> nn.Module:
+    """The debug-sized ``family`` model (config fields overridable), with weights drawn
+    from ``seed``."""
     torch.manual_seed(seed)
-    return build_causal_lm(family, dict(DEBUG_CONFIGS[family]))
+    return build_causal_lm(family, {**DEBUG_CONFIGS[family], **overrides})

@@ -41,12 +41,25 @@ __all__ = ["FORMAT_VERSION", "load_checkpoint", "resolve", "save_checkpoint"]
 FORMAT_VERSION = 1
 
 
-def _regions(p: Placement) -> list[list[int]]:
-    """[offset, length] per dimension of this rank's shard of the global tensor."""
-    region = [[0, n] for n in p.global_shape]
+def _pieces(t: torch.Tensor, p: Placement) -> list[tuple[str, torch.Tensor, list[int],
+                                                           list[list[int]]]]:
+    """(key suffix, local view, global shape, [offset, length] per dim) of each logical
+    tensor that ``t`` (laid out as ``p``) holds: one, or one per block of a packed dim.
+    Padding rows are cut off, so they are neither saved nor loaded."""
+    shape = list(p.global_shape)
+    region = [[0, n] for n in shape]
+    packed = None
     for s in p.shards:
+        if s.padding:
+            t = t.narrow(s.dim, 0, s.length * s.parts)
         region[s.dim] = [s.offset, s.length]
-    return region
+        if s.parts > 1:
+            packed = s
+            shape[s.dim] //= s.parts
+    if packed is None:
+        return [("", t, shape, region)]
+    return [(f"#part{k}", view, shape, region)
+            for k, view in enumerate(t.chunk(packed.parts, dim=packed.dim))]
 
 
 def _owner(p: Placement, coords: dict[str, int]) -> bool:
@@ -68,17 +81,27 @@ def _local_entries(engine: Engine) -> tuple[dict[str, torch.Tensor], dict[str, A
         rec = placement_of(param)
         if not _owner(rec, coords):
             continue
-        put(f"model/{rec.name}", param, list(rec.global_shape), _regions(rec))
+        for suffix, view, shape, region in _pieces(param, rec):
+            put(f"model/{rec.name}{suffix}", view, shape, region)
         for k, v in engine.optimizer.state.get(param, {}).items():
             if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(param.shape):
-                put(f"optim/{rec.name}/{k}", v, list(rec.global_shape), _regions(rec))
+                for suffix, view, shape, region in _pieces(v, rec):
+                    put(f"optim/{rec.name}{suffix}/{k}", view, shape, region)
             elif isinstance(v, torch.Tensor):
                 put(f"optim/{rec.name}/{k}", v, list(v.shape), [[0, n] for n in v.shape])
     rank = engine.grid.rank
-    put(f"rng/rank{rank}/torch", torch.get_rng_state(), [-1], [])
-    if torch.cuda.is_available():
-        put(f"rng/rank{rank}/cuda", torch.cuda.get_rng_state(), [-1], [])
+    for name, state in _rng_states(engine).items():
+        put(f"rng/rank{rank}/{name}", state, [-1], [])
     return tensors, entries
+
+
+def _rng_states(engine: Engine) -> dict[str, torch.Tensor]:
+    states = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    for name, stream in engine.ctx.rng_streams.items():
+        states[name] = stream.get_state()
+    return states
 
 
 def save_checkpoint(engine: Engine, directory: str | os.PathLike[str]) -> str:
@@ -202,6 +225,25 @@ class _Reader:
         return out
 
 
+def _load_optimizer_state(reader: _Reader, index: dict[str, Any], param: torch.Tensor,
+                          rec: Placement) -> dict[str, torch.Tensor]:
+    """Optimizer state of one parameter: per-element tensors laid out like it, scalars
+    (AdamW's step) whole."""
+    state: dict[str, torch.Tensor] = {}
+    names = {k.rsplit("/", 1)[1] for k in index["tensors"]
+             if k.startswith(f"optim/{rec.name}/") or k.startswith(f"optim/{rec.name}#")}
+    for name in sorted(names):
+        if f"optim/{rec.name}/{name}" in index["tensors"] and \
+                index["tensors"][f"optim/{rec.name}/{name}"]["shape"] != list(rec.global_shape):
+            state[name] = reader.read(f"optim/{rec.name}/{name}").to(param.device)
+            continue
+        full = torch.zeros_like(param)
+        for suffix, view, _, region in _pieces(full, rec):
+            view.copy_(reader.read(f"optim/{rec.name}{suffix}/{name}", region))
+        state[name] = full
+    return state
+
+
 @torch.no_grad()
 def load_checkpoint(engine: Engine, directory: str | os.PathLike[str]) -> None:
     """Restore model, optimizer, scheduler, step, data position and (same grid) RNG."""
@@ -213,13 +255,9 @@ def load_checkpoint(engine: Engine, directory: str | os.PathLike[str]) -> None:
     reader = _Reader(ckpt, index)
     for param in engine.model.parameters():
         rec = placement_of(param)
-        param.copy_(reader.read(f"model/{rec.name}", _regions(rec)))
-        state: dict[str, torch.Tensor] = {}
-        prefix = f"optim/{rec.name}/"
-        for key in (k for k in index["tensors"] if k.startswith(prefix)):
-            shape = index["tensors"][key]["shape"]
-            region = _regions(rec) if shape == list(rec.global_shape) else None
-            state[key.removeprefix(prefix)] = reader.read(key, region).to(param.device)
+        for suffix, view, _, region in _pieces(param, rec):
+            view.copy_(reader.read(f"model/{rec.name}{suffix}", region))
+        state = _load_optimizer_state(reader, index, param, rec)
         if state:
             engine.optimizer.state[param] = state
     for group, saved in zip(engine.optimizer.param_groups,
@@ -235,6 +273,8 @@ def load_checkpoint(engine: Engine, directory: str | os.PathLike[str]) -> None:
         torch.set_rng_state(reader.read(f"rng/rank{rank}/torch"))
         if torch.cuda.is_available() and f"rng/rank{rank}/cuda" in index["tensors"]:
             torch.cuda.set_rng_state(reader.read(f"rng/rank{rank}/cuda"))
+        for name, stream in engine.ctx.rng_streams.items():
+            stream.set_state(reader.read(f"rng/rank{rank}/{name}"))
         version, internal, gauss = index["python_rng"][rank]
         random.setstate((version, tuple(internal), gauss))
     dist.barrier()

@@ -73,6 +73,7 @@ class Engine:
         self.step = 0
         self.data_state: dict[str, Any] = {}  # e.g. a BatchStream's position
         self.forward_kwargs = dict(plan.extra.get("forward_kwargs", {}))
+        self.loss_fn = ctx.loss_fn or causal_lm_loss_sum
         self._flops_per_token = self._model_flops()
 
     # ---- steps -----------------------------------------------------------------------
@@ -116,7 +117,7 @@ class Engine:
             sync = self.ctx.no_sync() if i < mbs - 1 else contextlib.nullcontext()
             with sync:
                 with self.tracer.span("forward"):
-                    loss_sum, _ = causal_lm_loss_sum(self._logits(mb_ids), mb_labels)
+                    loss_sum, _ = self.loss_fn(self._logits(mb_ids), mb_labels)
                 with self.tracer.span("backward"):
                     (loss_sum * scale.to(loss_sum.dtype)).backward()
             total += loss_sum.detach().double()
@@ -142,7 +143,7 @@ class Engine:
         """Mean loss over this global batch's non-ignored tokens (no parameter update)."""
         ids, labels = _split_batch(batch)
         self.model.eval()
-        loss_sum, count = causal_lm_loss_sum(self._logits(ids), labels)
+        loss_sum, count = self.loss_fn(self._logits(ids), labels)
         total = torch.tensor([float(loss_sum), float(count)], dtype=torch.float64,
                              device=self.device)
         if self.replicas.size > 1:

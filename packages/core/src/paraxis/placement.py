@@ -32,12 +32,20 @@ _ATTR = "_paraxis_placement"
 @dataclass(frozen=True)
 class Shard:
     """Dimension ``dim`` is split along grid ``axis``; this rank holds
-    ``[offset, offset + length)`` of it."""
+    ``[offset, offset + length)`` of it.
+
+    ``parts > 1``: the dimension is ``parts`` equal blocks packed together (a fused
+    gate_up projection) and the range applies within each block. ``padding``: the local
+    tensor has that many extra rows after the real ones (a vocabulary padded to a
+    multiple of the tensor degree); they are never saved or counted.
+    """
 
     dim: int
     axis: str
     offset: int
     length: int
+    parts: int = 1
+    padding: int = 0
 
 
 @dataclass(frozen=True)
@@ -54,7 +62,7 @@ class Placement:
     def local_shape(self) -> tuple[int, ...]:
         shape = list(self.global_shape)
         for s in self.shards:
-            shape[s.dim] = s.length
+            shape[s.dim] = s.length * s.parts + s.padding
         return tuple(shape)
 
     @property
@@ -68,13 +76,15 @@ class Placement:
         parallel) says so by handling it itself."""
         return tuple(a for a in self.replicated if a in DENSE_REPLICA_AXES)
 
-    def sharded(self, *, dim: int, axis: str, offset: int, length: int) -> Placement:
+    def sharded(self, *, dim: int, axis: str, offset: int, length: int, parts: int = 1,
+                padding: int = 0) -> Placement:
         """This record with ``dim`` split along ``axis`` (and no longer replicated there)."""
         if axis not in AXES:
             raise KeyError(f"unknown grid axis {axis!r}")
         if any(s.dim == dim and s.axis == axis for s in self.shards):
             raise ValueError(f"{self.name}: dim {dim} is already sharded over {axis}")
-        return replace(self, shards=(*self.shards, Shard(dim, axis, offset, length)),
+        return replace(self, shards=(*self.shards,
+                                     Shard(dim, axis, offset, length, parts, padding)),
                        replicated=tuple(a for a in self.replicated if a != axis))
 
 

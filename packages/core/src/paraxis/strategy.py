@@ -12,10 +12,10 @@ Core, not plugin load order, decides the order (DESIGN section 4), as torchtitan
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from torch import nn
 
@@ -80,6 +80,14 @@ class ApplyContext:
     config: ParallelConfig
     plan: object | None = None
     grad_syncs: list[GradientSync] = field(default_factory=list)
+    # (logits, labels) -> (summed loss, token count); an axis that leaves logits sharded
+    # (vocab-parallel cross-entropy) replaces it.
+    loss_fn: Callable[..., tuple[Any, int]] | None = None
+    # Extra per-rank RNG streams (name -> object with get_state() / set_state(tensor)),
+    # saved in checkpoints beside torch's default one.
+    rng_streams: dict[str, Any] = field(default_factory=dict)
+    # Anything an axis wants to expose to tests, benchmarks and metrics, by axis name.
+    extras: dict[str, Any] = field(default_factory=dict)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

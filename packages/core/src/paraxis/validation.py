@@ -121,12 +121,13 @@ def _check_model(config: ParallelConfig, model: ModelShape) -> list[Problem]:
     _divides(problems, "model.hidden_size", model.hidden_size, t, "tensor")
     _divides(problems, "model.num_attention_heads", model.num_attention_heads, t, "tensor")
     _divides(problems, "model.intermediate_size", model.intermediate_size, t, "tensor")
-    if t > 1 and model.kv_heads % t and t % model.kv_heads:
+    if t > 1 and model.kv_heads % t:
+        # Replicating kv heads over tensor ranks would make their gradients partial sums
+        # over sub-groups of the tensor group; paraxis rejects it instead (documented).
         problems.append(Problem(
             "model.num_key_value_heads", model.kv_heads,
-            f"must divide, or be divisible by, the tensor degree {t} (fewer kv heads than "
-            "tensor ranks are replicated)", f"choose tensor among {_divisors(model.kv_heads)} "
-            f"or a multiple of {model.kv_heads}"))
+            f"must be divisible by the tensor degree {t} (kv heads are split, never "
+            "replicated)", f"choose tensor among {_divisors(model.kv_heads)}"))
     if t > 1 and model.vocab_size < t:
         problems.append(Problem(
             "model.vocab_size", model.vocab_size,

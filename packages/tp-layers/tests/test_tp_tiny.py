@@ -1,0 +1,70 @@
+"""paraxis's own tiny model with a hand-written plan: tensor=2 against one process, and
+plans that name an unknown style or a module of the wrong type fail at wrap time."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import paraxis
+from paraxis import ModelPlan, PlanError
+from paraxis.testing.parity import assemble, local_shards
+from paraxis.tiny import TinyConfig, TinyTransformer
+
+CFG = TinyConfig(vocab_size=61, hidden_size=32, num_layers=2, num_heads=4,
+                 intermediate_size=64, seq_length=16)
+# The fused qkv is gathered (the block slices it with global sizes), as transformers does
+# for Phi-3's fused projections; the output projection then splits its input.
+PLAN = ModelPlan("TinyTransformer", tensor={
+    "embed": "embedding_rowwise",
+    "layers.*.qkv": "colwise_gather_output",
+    "layers.*.out": "rowwise_split_input",
+    "layers.*.up": "colwise",
+    "layers.*.down": "rowwise",
+    "head": "colwise_gather_output",
+})
+STEPS = 10
+
+
+def train_tiny(tensor):
+    torch.manual_seed(0)
+    engine = paraxis.parallelize(TinyTransformer(CFG), tensor=tensor, plan=PLAN,
+                                 train={"steps": STEPS, "lr": 1e-3, "warmup_steps": 2,
+                                        "seq_length": CFG.seq_length})
+    g = torch.Generator().manual_seed(1)
+    losses = [engine.train_step(torch.randint(0, CFG.vocab_size, (4, CFG.seq_length),
+                                              generator=g))["loss"] for _ in range(STEPS)]
+    shards = local_shards(engine.model)
+    engine.close()
+    return losses, shards
+
+
+def test_tiny_tensor_parallel_matches_one_process(worlds):
+    ref_losses, ref_shards = worlds.run(1, train_tiny, 1)[0]
+    out = worlds.run(2, train_tiny, 2)
+    for losses, _ in out:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
+                                   rtol=1e-5, atol=0)
+    full, ref = assemble([s for _, s in out]), assemble([ref_shards])
+    assert full.keys() == ref.keys()
+    for name in ref:
+        torch.testing.assert_close(full[name], ref[name], rtol=1e-4, atol=1e-6)
+
+
+def wrap_with(plan):
+    torch.manual_seed(0)
+    try:
+        paraxis.parallelize(TinyTransformer(CFG), tensor=dist.get_world_size(), plan=plan)
+    except PlanError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ({"layers.*.up": "moe_tp_experts"},
+     "layers.0.up: tensor-parallel style 'moe_tp_experts' is not supported"),
+    ({"layers.*.attn_norm": "colwise"},
+     "layers.0.attn_norm: style 'colwise' needs Linear, found RMSNorm"),
+])
+def test_bad_plans_fail_at_wrap_time_naming_module_and_style(worlds, entry, message):
+    errors = worlds.run(2, wrap_with, ModelPlan("TinyTransformer", tensor=entry))
+    assert all(e is not None and message in e for e in errors), errors
