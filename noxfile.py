@@ -73,5 +73,6 @@ def demo(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Paired benchmarks against the peers; each rewrites its section of RESULTS.md."""
     install_all(session)
-    session.run("torchrun", "--nproc-per-node", "2", "benchmarks/dp_vs_ddp.py",
-                *session.posargs, env={"OMP_NUM_THREADS": "1"})
+    for script in ("benchmarks/dp_vs_ddp.py", "benchmarks/tp_vs_dtensor.py"):
+        session.run("torchrun", "--nproc-per-node", "2", script, *session.posargs,
+                    env={"OMP_NUM_THREADS": "1"})

@@ -53,9 +53,10 @@ def test_cli_trains_the_default_config_and_logs_to_wandb_offline(tmp_path):
 
 def test_cli_rejects_a_bad_config_before_starting_processes(tmp_path):
     out = paraxis("train", "--config", str(ROOT / "examples/default.yaml"),
-                  "parallelism.tensor=3", "train.global_batch=7", cwd=tmp_path)
+                  "parallelism.tensor=3", "parallelism.pipeline=2", "train.global_batch=7",
+                  cwd=tmp_path)
     assert out.returncode == 1
     for text in ("train.global_batch = 7", "model.num_attention_heads = 4",
-                 "pip install paraxis-tp-layers"):
+                 "model.num_key_value_heads = 2", "pip install paraxis-pp-schedules"):
         assert text in out.stderr or text in out.stdout, (text, out.stderr)
     assert "torch.distributed.run" not in out.stderr
