@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import nox
@@ -66,7 +67,10 @@ def demo(session: nox.Session) -> None:
     each time: the previous demo's checkpoints are removed first)."""
     install_all(session)
     session.run("rm", "-rf", "runs/default", external=True)
-    session.run("paraxis", "train", "--config", "examples/default.yaml", *session.posargs)
+    # The demo logs to W&B offline (./wandb) unless WANDB_MODE says otherwise: it must
+    # run on a machine with no W&B account; `wandb sync` uploads the run later.
+    session.run("paraxis", "train", "--config", "examples/default.yaml", *session.posargs,
+                env={"WANDB_MODE": os.environ.get("WANDB_MODE", "offline")})
 
 
 @nox.session

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 import paraxis
+import paraxis.testing
 from paraxis import MissingAxisPackageError, make_plugin_manager
 from paraxis.tiny import TinyConfig, TinyTransformer
 
@@ -89,3 +90,32 @@ def test_bf16_autocast_keeps_fp32_master_weights(worlds):
     assert dtypes == {torch.float32}
     assert bf16 != fp32  # autocast really ran in bf16...
     assert bf16 == pytest.approx(fp32, rel=2e-2)  # ...and trains the same model
+
+
+def recompute_run(mode):
+    torch.manual_seed(0)
+    engine = paraxis.parallelize(TinyTransformer(CFG), train=TRAIN,
+                                 config=paraxis.ParallelConfig.from_kwargs(
+                                     activation_checkpointing=mode))
+    calls = []
+    engine.model.layers[0].qkv.register_forward_hook(lambda *a: calls.append(1))
+    ids = torch.randint(0, CFG.vocab_size, (4, CFG.seq_length),
+                        generator=torch.Generator().manual_seed(0))
+    losses = [engine.train_step(ids)["loss"] for _ in range(3)]
+    params = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    engine.close()
+    return losses, params, len(calls)
+
+
+def test_full_recomputation_changes_nothing_but_runs_forward_twice(worlds):
+    (base, base_params, base_calls), = worlds.run(1, recompute_run, "none")
+    (full, full_params, full_calls), = worlds.run(1, recompute_run, "full")
+    assert base_calls == 3 and full_calls == 6  # each layer recomputed in backward
+    assert full == base
+    for name, p in base_params.items():
+        assert torch.equal(full_params[name], p), name
+
+
+def test_selective_needs_an_attention_block(worlds):
+    with pytest.raises(paraxis.testing.RankFailure, match="no attention block"):
+        worlds.run(1, recompute_run, "selective")

@@ -22,10 +22,12 @@ def test_every_hookspec_is_documented():
 
 
 def test_factory_gives_clean_managers():
-    a = make_plugin_manager(load_entrypoints=False)
-    b = make_plugin_manager(load_entrypoints=False)
+    a = make_plugin_manager(load_entrypoints=False, builtins=False)
+    b = make_plugin_manager(load_entrypoints=False, builtins=False)
     assert a is not b and a.get_plugins() == set()
     assert collect_strategies(a) == {}
+    core_only = collect_strategies(make_plugin_manager(load_entrypoints=False))
+    assert list(core_only) == ["activation_checkpointing"]
 
 
 class Order:
@@ -56,7 +58,7 @@ class FakePlugin:
 
 
 def test_strategies_apply_in_phase_order_not_registration_order():
-    pm = make_plugin_manager(load_entrypoints=False, plugins=(FakePlugin(),))
+    pm = make_plugin_manager(load_entrypoints=False, builtins=False, plugins=(FakePlugin(),))
     cfg = ParallelConfig.from_kwargs(data=2, tensor=2, pipeline=2, microbatches=2)
     strategies = resolve_strategies(cfg, pm)
     assert [s.axis for s in strategies] == ["pipeline", "tensor", "data"]

@@ -34,12 +34,19 @@ def _load_checked(args: argparse.Namespace) -> RunConfig:
     return config
 
 
-def _cmd_validate(args: argparse.Namespace) -> int:
-    """Check a config (and optionally a model config) without starting any process."""
+def _load_or_report(args: argparse.Namespace) -> RunConfig | None:
+    """The checked config, or None after printing every problem to stderr."""
     try:
-        config = _load_checked(args)
+        return _load_checked(args)
     except (ConfigError, ImportError, OSError) as exc:
         print(f"{args.config}: {exc}", file=sys.stderr)
+        return None
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    """Check a config (and optionally a model config) without starting any process."""
+    config = _load_or_report(args)
+    if config is None:
         return 1
     strategies = resolve_strategies(config, make_plugin_manager())
     degrees = " x ".join(f"{a}={d}" for a, d in config.degrees.items())
@@ -51,10 +58,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     """Train from a config; outside torchrun, relaunch under it with the world size."""
-    try:
-        config = _load_checked(args)
-    except (ConfigError, ImportError, OSError) as exc:
-        print(f"{args.config}: {exc}", file=sys.stderr)
+    config = _load_or_report(args)
+    if config is None:
         return 1
     if "RANK" not in os.environ:
         return _relaunch(config.world_size, sys.argv[1:] if args.argv is None else args.argv)

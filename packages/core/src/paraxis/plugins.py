@@ -10,14 +10,20 @@ from paraxis.strategy import Strategy
 __all__ = ["collect_strategies", "make_plugin_manager"]
 
 
-def make_plugin_manager(*, load_entrypoints: bool = True,
+def make_plugin_manager(*, load_entrypoints: bool = True, builtins: bool = True,
                         plugins: tuple[object, ...] = ()) -> pluggy.PluginManager:
-    """A fresh manager with the specs, the installed plugins and any ``plugins`` given.
+    """A fresh manager with the specs, core's own strategies (``builtins``), the installed
+    plugins and any ``plugins`` given.
 
-    Tests pass ``load_entrypoints=False`` and their own plugins to get a clean manager.
+    Tests pass ``load_entrypoints=False`` (and ``builtins=False``) and their own plugins
+    to get a clean manager.
     """
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
+    if builtins:
+        from paraxis import _builtin
+
+        pm.register(_builtin, name="paraxis-core")
     if load_entrypoints:
         pm.load_setuptools_entrypoints(hookspecs.PROJECT)
     for plugin in plugins:

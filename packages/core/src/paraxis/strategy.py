@@ -56,6 +56,7 @@ PACKAGE_FOR_AXIS: dict[str, str] = {
     "context": "paraxis-seq-context",
     "data": "paraxis-dp-core",
     "zero": "paraxis-zero-shard",
+    "activation_checkpointing": "paraxis",  # core's own
 }
 
 
@@ -120,7 +121,20 @@ def required_axes(config: ParallelConfig) -> list[str]:
         wanted.append("zero")
     elif par.data * par.expert * par.context > 1:
         wanted.append("data")
+    if config.schedule.activation_checkpointing != "none":
+        wanted.append("activation_checkpointing")
     return wanted
+
+
+def _field(axis: str) -> str:
+    return ("schedule.activation_checkpointing" if axis == "activation_checkpointing"
+            else f"parallelism.{axis}")
+
+
+def _value(config: ParallelConfig, axis: str) -> Any:
+    if axis == "activation_checkpointing":
+        return config.schedule.activation_checkpointing
+    return getattr(config.parallelism, axis)
 
 
 def missing_axes(config: ParallelConfig, pm: pluggy.PluginManager) -> list[Problem]:
@@ -128,7 +142,7 @@ def missing_axes(config: ParallelConfig, pm: pluggy.PluginManager) -> list[Probl
     from paraxis.plugins import collect_strategies
 
     available = collect_strategies(pm)
-    return [Problem(f"parallelism.{axis}", getattr(config.parallelism, axis),
+    return [Problem(_field(axis), _value(config, axis),
                     f"no installed package provides the {axis} axis",
                     f"pip install {PACKAGE_FOR_AXIS[axis]}")
             for axis in required_axes(config) if axis not in available]

@@ -1,0 +1,91 @@
+"""Activation checkpointing, core's own strategy (phase WRAP).
+
+``schedule.activation_checkpointing``:
+
+* ``full``: every transformer layer keeps only its input; its activations are
+  recomputed in backward (Chen et al., arXiv:1604.06174).
+* ``selective``: only each layer's attention block is recomputed, the cheap-to-redo,
+  costly-to-store part (in the spirit of Korthikanti et al., arXiv:2205.05198, section 5,
+  at module granularity: the block's projections are recomputed too).
+* ``none``: nothing.
+
+The layers are the plan's layer list (the ModuleList of the pipeline plan), else the
+model's longest ModuleList. Recomputation replays every RNG stream an axis registered
+(the tensor-parallel dropout stream included) from its state at the forward, so dropout
+masks match; torch's checkpoint replays the default generator itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from paraxis.plan import ModelPlan, PlanError
+from paraxis.strategy import ApplyContext, Phase, Strategy
+
+__all__ = ["ActivationCheckpointing", "layer_list"]
+
+
+def layer_list(model: nn.Module, plan: ModelPlan | None) -> nn.ModuleList:
+    if plan is not None:
+        for name in plan.pipeline:
+            module = model.get_submodule(name)
+            if isinstance(module, nn.ModuleList):
+                return module
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        raise PlanError(f"{type(model).__name__}: no layer list to checkpoint")
+    return max(lists, key=len)
+
+
+def _attention_of(layer: nn.Module) -> nn.Module:
+    for name, child in layer.named_children():
+        if name.endswith(("attn", "attention")):
+            return child
+    raise PlanError(f"{type(layer).__name__}: no attention block (a child named *attn or "
+                    "*attention) for selective recomputation; use full")
+
+
+def _wrap(module: nn.Module, streams: dict[str, Any]) -> None:
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def recomputed(*args: Any, **kwargs: Any) -> Any:
+        at_forward = {n: s.get_state() for n, s in streams.items()}
+
+        @contextlib.contextmanager
+        def replay() -> Iterator[None]:
+            now = {n: s.get_state() for n, s in streams.items()}
+            for n, s in streams.items():
+                s.set_state(at_forward[n])
+            try:
+                yield
+            finally:
+                for n, s in streams.items():
+                    s.set_state(now[n])
+
+        def contexts() -> tuple[Any, Any]:
+            return contextlib.nullcontext(), replay()
+
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+    module.forward = recomputed  # type: ignore[method-assign]
+
+
+class ActivationCheckpointing(Strategy):
+    axis = "activation_checkpointing"
+    phase = Phase.WRAP
+
+    def apply(self, model: nn.Module, ctx: ApplyContext) -> nn.Module:
+        mode = ctx.config.schedule.activation_checkpointing
+        plan = ctx.plan if isinstance(ctx.plan, ModelPlan) else None
+        pick: Callable[[nn.Module], nn.Module] = (
+            _attention_of if mode == "selective" else (lambda layer: layer))
+        for layer in layer_list(model, plan):
+            _wrap(pick(layer), ctx.rng_streams)
+        return model
