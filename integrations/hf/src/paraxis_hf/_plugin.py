@@ -25,3 +25,17 @@ def paraxis_build_model(family: str, config: dict[str, Any]) -> Any:
     from paraxis_hf.build import build_causal_lm, known_family
 
     return build_causal_lm(family, config) if known_family(family) else None
+
+
+@hookimpl
+def paraxis_pipeline_stage(model: Any, plan: Any, layers: tuple[int, int], first: bool,
+                           last: bool) -> Any:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return None
+    if not isinstance(model, PreTrainedModel):
+        return None
+    from paraxis_hf.stage import DecoderStage
+
+    return DecoderStage(model, plan, layers, first=first, last=last)

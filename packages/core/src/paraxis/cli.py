@@ -96,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--config", required=True, help="YAML run configuration")
     tr.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=50")
     tr.set_defaults(func=_cmd_train)
+    make_plugin_manager().hook.paraxis_cli_commands(subparsers=sub)
     return parser
 
 

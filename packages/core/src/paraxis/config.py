@@ -57,10 +57,15 @@ class Parallelism(_Section):
 
 
 class ScheduleConfig(_Section):
-    """How one optimizer step is cut into microbatches and what is recomputed."""
+    """How one optimizer step is cut into microbatches, how a pipeline orders them, and
+    what is recomputed."""
 
     microbatches: PositiveInt = 1
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1"] = "1f1b"
+    virtual_stages: PositiveInt = 1  # model chunks per pipeline rank (interleaved)
+    # First layer of each stage after the first; None: balance by estimated cost.
+    pipeline_split: list[int] | None = None
 
 
 class CheckpointConfig(_Section):

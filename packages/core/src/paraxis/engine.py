@@ -111,16 +111,13 @@ class Engine:
         # Gradients are averaged over the replicas; scaling by their number makes the
         # average a sum over all tokens divided by the global count.
         scale = self.replicas.size / tokens.clamp(min=1)
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for i, (mb_ids, mb_labels) in enumerate(zip(ids.chunk(mbs), labels.chunk(mbs),
-                                                    strict=True)):
-            sync = self.ctx.no_sync() if i < mbs - 1 else contextlib.nullcontext()
-            with sync:
-                with self.tracer.span("forward"):
-                    loss_sum, _ = self.loss_fn(self._logits(mb_ids), mb_labels)
-                with self.tracer.span("backward"):
-                    (loss_sum * scale.to(loss_sum.dtype)).backward()
-            total += loss_sum.detach().double()
+        microbatches = list(zip(ids.chunk(mbs), labels.chunk(mbs), strict=True))
+        if self.ctx.forward_backward is not None:  # a pipeline runs its own schedule
+            with self.ctx.no_sync(), self.tracer.span("pipeline_schedule"):
+                total = self.ctx.forward_backward(microbatches, self.loss_fn, scale, True)
+            self._sum_over_pipeline(total)
+        else:
+            total = self._forward_backward(microbatches, scale)
         self.tracer.add("grad_sync_wait", "comm", self.ctx.finish_grad_sync())
         with self.tracer.span("clip_grad_norm"):
             norm = clip_grad_norm(self.params, self.train_cfg.grad_clip, self.grid)
@@ -138,12 +135,37 @@ class Engine:
         return self._metrics(total / tokens.clamp(min=1), norm, lr, step_time,
                              ids.numel() * self.replicas.size, mark)
 
+    def _forward_backward(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+                          scale: torch.Tensor) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i, (mb_ids, mb_labels) in enumerate(microbatches):
+            last = i == len(microbatches) - 1
+            with contextlib.nullcontext() if last else self.ctx.no_sync():
+                with self.tracer.span("forward"):
+                    loss_sum, _ = self.loss_fn(self._logits(mb_ids), mb_labels)
+                with self.tracer.span("backward"):
+                    (loss_sum * scale.to(loss_sum.dtype)).backward()
+            total += loss_sum.detach().double()
+        return total
+
+    def _sum_over_pipeline(self, total: torch.Tensor) -> None:
+        """Only the last stage computed the loss; give every stage the sum."""
+        stages = self.grid.group("pipeline")
+        if stages.size > 1:
+            with self.tracer.span("loss_broadcast", "comm"):
+                dist.all_reduce(total, group=stages.pg)
+
     @torch.no_grad()
     def eval_step(self, batch: Any) -> float:
         """Mean loss over this global batch's non-ignored tokens (no parameter update)."""
         ids, labels = _split_batch(batch)
         self.model.eval()
-        loss_sum, count = self.loss_fn(self._logits(ids), labels)
+        count = int((labels[:, 1:] != IGNORE_INDEX).sum())
+        if self.ctx.forward_backward is not None:
+            loss_sum = self.ctx.forward_backward([(ids, labels)], self.loss_fn, None, False)
+            self._sum_over_pipeline(loss_sum)
+        else:
+            loss_sum, _ = self.loss_fn(self._logits(ids), labels)
         total = torch.tensor([float(loss_sum), float(count)], dtype=torch.float64,
                              device=self.device)
         if self.replicas.size > 1:

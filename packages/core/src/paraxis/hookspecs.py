@@ -93,3 +93,28 @@ def paraxis_log_end(summary: dict[str, float]) -> None:
     Called by the trainer on the logging rank after the last step and checkpoint.
     Logging plugins close their run here. Not firstresult.
     """
+
+
+@hookspec(firstresult=True)
+def paraxis_pipeline_stage(model: Any, plan: Any, layers: tuple[int, int], first: bool,
+                           last: bool) -> Any:
+    """Return one pipeline stage of ``model`` holding layers ``[layers[0], layers[1])``,
+    plus the embedding if ``first`` and the final norm and output head if ``last``, or
+    None if this plugin does not know the model.
+
+    Called by the pipeline strategy (paraxis-pp-schedules) once per local stage. The
+    stage's ``forward(x)`` takes token ids (first stage) or hidden states and returns
+    hidden states, or logits on the last stage. It keeps the model's module names
+    (``model.layers.N``...) so other axes' plans still match, exposes ``config`` and
+    ``get_output_embeddings()``, and an integer ``sequence_shards`` (1 unless sequence
+    parallelism splits its activations). firstresult.
+    """
+
+
+@hookspec
+def paraxis_cli_commands(subparsers: Any) -> None:
+    """Add subcommands to the ``paraxis`` command line (argparse ``subparsers``); each
+    sets ``func`` to a callable taking the parsed arguments and returning an exit code.
+
+    Called by :func:`paraxis.cli.build_parser` once. Not firstresult.
+    """

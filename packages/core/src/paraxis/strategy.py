@@ -89,6 +89,10 @@ class ApplyContext:
     rng_streams: dict[str, Any] = field(default_factory=dict)
     # Anything an axis wants to expose to tests, benchmarks and metrics, by axis name.
     extras: dict[str, Any] = field(default_factory=dict)
+    # The pipeline's runner: (microbatches, loss_fn, scale, train) -> summed loss; None
+    # runs microbatches one after another in this process.
+    forward_backward: Callable[..., Any] | None = None
+    plugin_manager: Any = None
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -182,5 +186,5 @@ def apply_parallelism(model: nn.Module, *, grid: Grid, config: ParallelConfig,
     pm = plugin_manager or make_plugin_manager()
     strategies = resolve_strategies(config, pm)
     record_replicated(model)
-    ctx = ApplyContext(grid=grid, config=config, plan=plan)
+    ctx = ApplyContext(grid=grid, config=config, plan=plan, plugin_manager=pm)
     return apply_strategies(model, ctx, strategies), ctx

@@ -99,6 +99,22 @@ def check(config: ParallelConfig, *, world_size: int | None = None,
             "schedule.microbatches", sched.microbatches,
             f"must be at least the pipeline degree {par.pipeline} or stages sit idle",
             f"set schedule.microbatches >= {par.pipeline}"))
+    v = sched.virtual_stages
+    if (v > 1) != (sched.pipeline_schedule == "interleaved_1f1b"):
+        problems.append(Problem(
+            "schedule.virtual_stages", v, "more than one model chunk per rank goes with "
+            "the interleaved_1f1b schedule, and only with it",
+            "set pipeline_schedule: interleaved_1f1b with virtual_stages > 1, or "
+            "virtual_stages: 1"))
+    if sched.pipeline_schedule == "interleaved_1f1b" and sched.microbatches % par.pipeline:
+        problems.append(Problem(
+            "schedule.microbatches", sched.microbatches, "interleaved 1F1B works on groups "
+            f"of pipeline-degree ({par.pipeline}) microbatches",
+            f"use a multiple of {par.pipeline}"))
+    if v > 1 and par.tensor > 1:
+        problems.append(Problem(
+            "schedule.virtual_stages", v, "interleaved chunks are not supported with "
+            "tensor parallelism yet", "use virtual_stages: 1 (1f1b) with tensor > 1"))
     if par.sequence_parallel and par.tensor == 1:
         problems.append(Problem(
             "parallelism.sequence_parallel", True, "shards activations over the tensor axis, "
@@ -133,11 +149,21 @@ def _check_model(config: ParallelConfig, model: ModelShape) -> list[Problem]:
             "model.vocab_size", model.vocab_size,
             f"must be at least the tensor degree {t} (it is padded to a multiple of it)",
             "lower parallelism.tensor"))
-    if par.pipeline > model.num_layers:
+    stages = par.pipeline * config.schedule.virtual_stages
+    if stages > model.num_layers:
         problems.append(Problem(
             "parallelism.pipeline", par.pipeline,
-            f"each stage needs at least one of the {model.num_layers} layers",
-            f"set pipeline <= {model.num_layers}"))
+            f"each of the {stages} stages needs at least one of the {model.num_layers} "
+            "layers", f"set pipeline x virtual_stages <= {model.num_layers}"))
+    split = config.schedule.pipeline_split
+    if split is not None and par.pipeline > 1 and (
+            len(split) != stages - 1 or sorted(set(split)) != split
+            or split[0] <= 0 or split[-1] >= model.num_layers):
+        problems.append(Problem(
+            "schedule.pipeline_split", split,
+            f"needs {stages - 1} increasing layer indices in (0, {model.num_layers}), one "
+            "per stage boundary, so every layer lands on exactly one stage",
+            "list the first layer of every stage after the first, or drop it to balance"))
     if par.expert > 1:
         if model.num_experts == 0:
             problems.append(Problem(

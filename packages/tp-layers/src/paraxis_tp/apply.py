@@ -82,6 +82,13 @@ def _map_hidden(fn: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     raise PlanError("cannot find the hidden-state input of a tensor-parallel block")
 
 
+def _maybe_submodule(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:  # a pipeline stage holds only part of the model
+        return None
+
+
 def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, new)
@@ -162,7 +169,9 @@ def apply_tensor_plan(model: nn.Module, ctx: ApplyContext, *, seed: int = 0,
         _enter_block(model.get_submodule(name), enter if sp else None,
                      out.rng if name in split_blocks else None, shared.get(name))
     if sp:
-        _shard_sequence(model, plan, group, out)
+        pipeline = ctx.extras.get("pipeline")  # split once: on the stage that embeds
+        _shard_sequence(model, plan, group, out,
+                        split_here=getattr(pipeline, "holds_first_layer", True))
     return out
 
 
@@ -206,19 +215,25 @@ def _enter_block(block: nn.Module, enter: Callable | None, rng: TensorParallelRN
 
 
 def _shard_sequence(model: nn.Module, plan: ModelPlan, group: Any,
-                    out: TensorParallelApplied) -> None:
-    """Split the residual stream at the first layer; every parameter still replicated
-    over the tensor axis now sees only its rank's tokens, so its gradient is partial."""
-    containers = [n for n in plan.pipeline if isinstance(model.get_submodule(n), nn.ModuleList)]
+                    out: TensorParallelApplied, *, split_here: bool) -> None:
+    """Split the residual stream at the first layer (on the pipeline stage that holds it);
+    every parameter still replicated over the tensor axis now sees only its rank's
+    tokens, so its gradient is partial. A pipeline stage's module is told how many
+    sequence shards its activations carry (``sequence_shards``)."""
+    containers = [n for n in plan.pipeline
+                  if isinstance(_maybe_submodule(model, n), nn.ModuleList)]
     if not containers:
         raise PlanError(f"{plan.model_class}: sequence parallelism needs the layer list "
                         "from the model's pipeline plan")
-    first = model.get_submodule(containers[0])[0]
+    if hasattr(model, "sequence_shards"):
+        model.sequence_shards = group.size
+    if split_here:
+        first = model.get_submodule(containers[0])[0]
 
-    def split(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return _map_hidden(lambda x: split_seq(x, group, out.stats), args, kwargs)
+        def split(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            return _map_hidden(lambda x: split_seq(x, group, out.stats), args, kwargs)
 
-    first.register_forward_pre_hook(split, with_kwargs=True)
+        first.register_forward_pre_hook(split, with_kwargs=True)
     from paraxis.placement import placement_of
 
     seen = {id(p) for p in out.partial_params}

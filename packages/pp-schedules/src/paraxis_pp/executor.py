@@ -1,0 +1,146 @@
+"""Run a schedule: this rank's actions in order, activations forward and their gradients
+backward between adjacent stages with batched isend/irecv.
+
+Sends are asynchronous and awaited at the end of the step (a legal schedule never needs
+a send to finish before the sender's next action); receives block until their data is
+there. Tags encode (kind, microbatch, stage), so messages never match the wrong receive.
+Activations of a microbatch are dropped as soon as its backward (or, for a split
+backward, its weight gradient) has run. Each action's compute time is recorded for the
+measured timeline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paraxis.grid import AxisGroup
+from paraxis_pp.schedules import Action, Schedule
+from paraxis_pp.simulate import Timeline
+
+__all__ = ["PipelineRunner"]
+
+KINDS = {"F": 0, "B": 1}
+
+
+def _tag(kind: str, mb: int, stage: int) -> int:
+    return (mb * 2 + KINDS[kind]) * 1024 + stage
+
+
+class PipelineRunner:
+    """``ctx.forward_backward`` for a pipeline: runs one step's schedule on this rank."""
+
+    def __init__(self, chunks: list[nn.Module], schedule: Schedule, group: AxisGroup,
+                 hidden_shape: Callable[[int, int], tuple[int, ...]], device: torch.device):
+        self.chunks, self.schedule, self.group = chunks, schedule, group
+        self.rank = group.rank
+        self.hidden_shape, self.device = hidden_shape, device
+        # (action, start, end) in the machine's monotonic clock, shared by local ranks.
+        self.timeline: list[tuple[Action, float, float]] = []
+
+    # ---- messaging ---------------------------------------------------------------
+
+    def _peer(self, stage: int) -> int:
+        return self.group.ranks[self.schedule.place(stage)[0]]
+
+    def _send(self, t: torch.Tensor, stage: int, kind: str, mb: int, src_stage: int) -> Any:
+        op = dist.P2POp(dist.isend, t.contiguous(), self._peer(stage), self.group.pg,
+                        _tag(kind, mb, src_stage))
+        return dist.batch_isend_irecv([op])
+
+    def _recv(self, shape: tuple[int, ...], stage: int, kind: str, mb: int,
+              src_stage: int) -> torch.Tensor:
+        buf = torch.empty(shape, device=self.device)
+        op = dist.P2POp(dist.irecv, buf, self._peer(stage), self.group.pg,
+                        _tag(kind, mb, src_stage))
+        for work in dist.batch_isend_irecv([op]):
+            work.wait()
+        return buf
+
+    # ---- one step ----------------------------------------------------------------
+
+    def __call__(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+                 loss_fn: Callable, scale: torch.Tensor | None, train: bool) -> torch.Tensor:
+        s = self.schedule
+        if train and len(microbatches) != s.microbatches:
+            raise ValueError(f"the {s.name} schedule was built for {s.microbatches} "
+                             f"microbatches, got {len(microbatches)}")
+        actions = s.actions[self.rank] if train else tuple(
+            Action("F", i, c) for c in range(s.chunks) for i in range(len(microbatches)))
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        inputs: dict[tuple[int, int], torch.Tensor] = {}
+        outputs: dict[tuple[int, int], torch.Tensor] = {}
+        grads: dict[tuple[int, int], torch.Tensor | None] = {}
+        sends: list[Any] = []
+        self.timeline = []
+        with torch.set_grad_enabled(train):
+            for a in actions:
+                stage = s.stage(self.rank, a.chunk)
+                key = (a.mb, a.chunk)
+                ids, labels = microbatches[a.mb]
+                if a.kind == "F":
+                    x = ids.to(self.device) if stage == 0 else self._recv(
+                        self.hidden_shape(*ids.shape), stage - 1, "F", a.mb, stage - 1)
+                    if stage > 0 and train:
+                        x.requires_grad_(True)
+                    start = time.perf_counter()
+                    out = self.chunks[a.chunk](x)
+                    if stage == s.stages - 1:
+                        loss_sum, _ = loss_fn(out, labels)
+                        total += loss_sum.detach().double()
+                        out = loss_sum * scale.to(loss_sum.dtype) if train else out
+                    self._record(a, start)
+                    if stage < s.stages - 1:
+                        sends += self._send(out.detach(), stage + 1, "F", a.mb, stage)
+                    if train:
+                        inputs[key], outputs[key] = x, out
+                    continue
+                out = outputs[key]
+                if a.kind == "B":
+                    grad = None if stage == s.stages - 1 else self._recv(
+                        out.shape, stage + 1, "B", a.mb, stage + 1)
+                    start = time.perf_counter()
+                    x_grad = self._backward(key, out, grad, inputs, outputs, grads, stage)
+                    self._record(a, start)
+                    if stage > 0:
+                        sends += self._send(x_grad, stage - 1, "B", a.mb, stage)
+                else:  # W: weight gradients of a split backward
+                    start = time.perf_counter()
+                    torch.autograd.backward(out, grads.pop(key))
+                    self._record(a, start)
+                    inputs.pop(key), outputs.pop(key)
+        for work in sends:
+            work.wait()
+        return total
+
+    def _backward(self, key: tuple[int, int], out: torch.Tensor, grad: torch.Tensor | None,
+                  inputs: dict, outputs: dict, grads: dict,
+                  stage: int) -> torch.Tensor | None:
+        x = inputs[key]
+        if not self.schedule.split_backward:
+            torch.autograd.backward(out, grad)
+            inputs.pop(key), outputs.pop(key)  # activations freed now
+            return x.grad if stage > 0 else None
+        # Split backward: the input gradient now (on the critical path), the weight
+        # gradients at the W action. W walks the graph again from the output (no
+        # autograd surgery), so it recomputes the activation-gradient chain.
+        grads[key] = grad
+        if stage == 0:
+            return None
+        (x_grad,) = torch.autograd.grad(out, [x], grad, retain_graph=True)
+        return x_grad
+
+    def _record(self, a: Action, start: float) -> None:
+        self.timeline.append((a, start, time.perf_counter()))
+
+    def measured(self) -> Timeline:
+        """This step's timeline gathered from every stage (collective over the group)."""
+        rows: list[Any] = [None] * self.group.size
+        dist.all_gather_object(rows, self.timeline, group=self.group.pg)
+        return Timeline(self.group.size, tuple(tuple(r) for r in rows),
+                        f"{self.schedule.name} (measured)")

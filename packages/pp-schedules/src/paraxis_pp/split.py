@@ -1,0 +1,54 @@
+"""Cut the layer list into consecutive stages.
+
+Default: balance estimated cost, with the embedding on the first stage and the final
+norm and output head on the last counted (they are not free: the head's matmul over the
+vocabulary costs about ``vocab / (12 x hidden)`` of a layer, Narayanan et al.'s
+accounting of 24·h² FLOPs per token per layer against 2·h·V for the logits). Explicit
+split points (the first layer of every stage after the first) are taken as given.
+Every layer lands on exactly one stage; no stage is empty.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+__all__ = ["balanced_split", "ranges_from_points"]
+
+
+def ranges_from_points(num_layers: int, points: list[int]) -> list[tuple[int, int]]:
+    bounds = [0, *points, num_layers]
+    ranges = list(itertools.pairwise(bounds))
+    if any(b <= a for a, b in ranges):
+        raise ValueError(f"split points {points} leave a stage without layers "
+                         f"(of {num_layers})")
+    return ranges
+
+
+def balanced_split(num_layers: int, stages: int, *, first_extra: float = 0.0,
+                   last_extra: float = 0.0) -> list[tuple[int, int]]:
+    """Consecutive ranges minimizing the costliest stage (layers cost 1; the first and
+    last stages carry ``first_extra`` / ``last_extra`` more)."""
+    if not 1 <= stages <= num_layers:
+        raise ValueError(f"cannot cut {num_layers} layers into {stages} non-empty stages")
+
+    def cost(s: int, a: int, b: int) -> float:
+        return (b - a) + (first_extra if s == 0 else 0.0) + (
+            last_extra if s == stages - 1 else 0.0)
+
+    # best[s][i]: minimal max-cost for stages s.. given layers i.. remain.
+    inf = float("inf")
+    best = [[inf] * (num_layers + 1) for _ in range(stages + 1)]
+    cut = [[0] * (num_layers + 1) for _ in range(stages + 1)]
+    best[stages][num_layers] = 0.0
+    for s in range(stages - 1, -1, -1):
+        for i in range(num_layers):
+            for j in range(i + 1, num_layers - (stages - s - 1) + 1):
+                value = max(cost(s, i, j), best[s + 1][j])
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    ranges, i = [], 0
+    for s in range(stages):
+        j = cut[s][i]
+        ranges.append((i, j))
+        i = j
+    return ranges

@@ -1,0 +1,55 @@
+"""Pictures of a timeline: stages by time, F / B / W cells, idle time left blank (SVG),
+and a text table like the seed's."""
+
+from __future__ import annotations
+
+from html import escape
+
+from paraxis_pp.simulate import Timeline
+
+__all__ = ["render_svg", "render_text"]
+
+COLORS = {"F": "#4C78A8", "B": "#59A14F", "W": "#F28E2B"}
+
+
+def render_svg(t: Timeline, *, width: int = 1000, row: int = 28) -> str:
+    t0 = min((s for r in t.entries for _, s, _ in r), default=0.0)
+    span = t.makespan or 1.0
+    left, top = 70, 30
+    scale = (width - left - 10) / span
+    height = top + row * t.ranks + 30
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           'font-family="monospace" font-size="11">',
+           f'<text x="{left}" y="18">{escape(t.name)}  bubble {t.bubble:.1%}  '
+           f'makespan {t.makespan:.3g}</text>']
+    for r, entries in enumerate(t.entries):
+        y = top + r * row
+        out.append(f'<text x="4" y="{y + row * 0.65:.1f}">stage {r}</text>')
+        out.append(f'<rect x="{left}" y="{y}" width="{span * scale:.1f}" height="{row - 4}" '
+                   'fill="#EEEEEE"/>')  # idle shows through
+        for a, s, e in entries:
+            x, w = left + (s - t0) * scale, max((e - s) * scale, 1.0)
+            out.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{row - 4}" '
+                       f'fill="{COLORS[a.kind]}" stroke="white"><title>{a}</title></rect>')
+            if w > 18:
+                out.append(f'<text x="{x + 3:.1f}" y="{y + row * 0.6:.1f}" fill="white">'
+                           f'{escape(str(a))}</text>')
+    legend = "  ".join(f"{k}: {name}" for k, name in
+                       (("F", "forward"), ("B", "backward"), ("W", "weight grad")))
+    out.append(f'<text x="{left}" y="{height - 8}">{legend}; grey: idle</text></svg>')
+    return "\n".join(out)
+
+
+def render_text(t: Timeline, *, unit: float | None = None) -> str:
+    """One row per stage, one column per time unit; '.' is idle."""
+    unit = unit or min((e - s for r in t.entries for _, s, e in r), default=1.0)
+    t0 = min((s for r in t.entries for _, s, _ in r), default=0.0)
+    cols = round(t.makespan / unit)
+    lines = []
+    for r, entries in enumerate(t.entries):
+        cells = ["."] * cols
+        for a, s, e in entries:
+            for c in range(round((s - t0) / unit), round((e - t0) / unit)):
+                cells[min(c, cols - 1)] = f"{a.kind}{a.mb}"
+        lines.append(f"stage {r}: " + " ".join(c.ljust(3) for c in cells))
+    return "\n".join(lines)
