@@ -77,6 +77,7 @@ def demo(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Paired benchmarks against the peers; each rewrites its section of RESULTS.md."""
     install_all(session)
-    for script in ("benchmarks/dp_vs_ddp.py", "benchmarks/tp_vs_dtensor.py"):
+    for script in ("benchmarks/dp_vs_ddp.py", "benchmarks/tp_vs_dtensor.py",
+                   "benchmarks/pp_vs_torch.py"):
         session.run("torchrun", "--nproc-per-node", "2", script, *session.posargs,
                     env={"OMP_NUM_THREADS": "1"})

@@ -83,5 +83,5 @@ def test_chrome_trace_has_compute_and_comm_spans(worlds, tmp_path):
     events = json.loads(Path(paths[1]).read_text())["traceEvents"]
     cats = {e["name"]: e.get("cat") for e in events}
     assert cats["forward"] == "compute" and cats["backward"] == "compute"
-    assert cats["grad_sync_wait"] == "comm" and cats["loss_reduce"] == "comm"
+    assert cats["grad_sync_wait"] == "comm" and cats["metrics_gather"] == "comm"
     assert all(e["pid"] == 1 for e in events)

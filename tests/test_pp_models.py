@@ -4,7 +4,6 @@ tensor parallel). Compositions with data and tensor parallelism, up to 8 ranks."
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import paraxis
 from paraxis import ParallelConfig
@@ -67,3 +66,37 @@ def test_pipeline_schedules_match_one_process(worlds, pipeline, schedule, chunks
 ], ids=lambda d: "x".join(f"{k}{v}" for k, v in d.items()))
 def test_pipeline_composes(worlds, degrees):
     compare(worlds, 4, degrees)
+
+
+def train_and_save(ckpt):
+    config = ParallelConfig.from_kwargs(pipeline=2, microbatches=2)
+    engine = paraxis.parallelize(build_debug_model("llama", num_hidden_layers=4),
+                                 config=config, train={"steps": 3, "warmup_steps": 1,
+                                                       "seq_length": SEQ})
+    for _ in range(3):
+        engine.train_step(torch.randint(0, 128, (4, SEQ)))
+    engine.save(ckpt)
+    shards = local_shards(engine.model)
+    stage = engine.ctx.extras["pipeline"].stages
+    engine.close()
+    return shards, stage
+
+
+def load_whole(ckpt):
+    engine = paraxis.parallelize(build_debug_model("llama", seed=5, num_hidden_layers=4),
+                                 train={"seq_length": SEQ})
+    engine.load(ckpt)
+    shards = local_shards(engine.model)
+    engine.close()
+    return shards
+
+
+def test_pipeline_checkpoint_holds_every_stage_and_loads_whole(worlds, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    out = worlds.run(2, train_and_save, ckpt)
+    assert [stages for _, stages in out] == [(0,), (1,)]
+    saved = assemble([s for s, _ in out])
+    loaded = assemble(worlds.run(1, load_whole, ckpt))
+    assert saved.keys() == loaded.keys()
+    for name, t in saved.items():
+        assert torch.equal(loaded[name], t), name

@@ -24,5 +24,10 @@ def paraxis_log_metrics(step: int, metrics: dict[str, float]) -> None:
 
 
 @hookimpl
+def paraxis_log_figure(name: str, svg: str, step: int) -> None:
+    _logger.figure(name, svg, step)
+
+
+@hookimpl
 def paraxis_log_end(summary: dict[str, float]) -> None:
     _logger.end(summary)

@@ -49,6 +49,16 @@ class WandbLogger:
             log.warning("W&B log failed, logging disabled for this run: %s", exc)
             self.run = None
 
+    def figure(self, name: str, svg: str, step: int) -> None:
+        if self.run is None:
+            return
+        try:
+            import wandb
+
+            self.run.log({name: wandb.Html(svg)}, step=step)
+        except Exception as exc:
+            log.warning("W&B figure %s not logged: %s", name, exc)
+
     def end(self, summary: dict[str, float]) -> None:
         if self.run is None:
             return

@@ -27,7 +27,7 @@ from torch import nn
 
 from paraxis.config import ParallelConfig
 from paraxis.grid import DENSE_REPLICA_AXES, Grid
-from paraxis.metrics import Tracer, flops_per_token, memory_stats, mfu, spread
+from paraxis.metrics import Tracer, flops_per_token, memory_stats, mfu
 from paraxis.optim import WarmupCosine, clip_grad_norm
 from paraxis.placement import placement_of
 from paraxis.plan import ModelPlan
@@ -115,7 +115,6 @@ class Engine:
         if self.ctx.forward_backward is not None:  # a pipeline runs its own schedule
             with self.ctx.no_sync(), self.tracer.span("pipeline_schedule"):
                 total = self.ctx.forward_backward(microbatches, self.loss_fn, scale, True)
-            self._sum_over_pipeline(total)
         else:
             total = self._forward_backward(microbatches, scale)
         self.tracer.add("grad_sync_wait", "comm", self.ctx.finish_grad_sync())
@@ -127,13 +126,29 @@ class Engine:
             lr = self.optimizer.param_groups[0]["lr"]
             if self.scheduler is not None:
                 self.scheduler.step()
-        if self.replicas.size > 1:
-            with self.tracer.span("loss_reduce", "comm"):
-                dist.all_reduce(total, group=self.replicas.pg)
         step_time = time.perf_counter() - start
         self.step += 1
-        return self._metrics(total / tokens.clamp(min=1), norm, lr, step_time,
-                             ids.numel() * self.replicas.size, mark)
+        loss_sum, fastest, slowest = self._reduce_step(total, step_time)
+        return self._metrics(loss_sum / tokens.clamp(min=1).item(), norm, lr,
+                             (fastest, slowest), ids.numel() * self.replicas.size, mark)
+
+    def _reduce_step(self, total: torch.Tensor, step_time: float) -> tuple[float, float, float]:
+        """One all-gather over the grid for the step's loss and the ranks' step times.
+
+        The global loss sum is the sum over ranks with tensor coordinate 0 (tensor ranks
+        hold the same sum; stages other than the last hold zero); step time is the
+        slowest rank's, and their spread shows stragglers."""
+        mine = torch.tensor([float(total), step_time], dtype=torch.float64, device=self.device)
+        if self.grid.world_size == 1:
+            return float(total), step_time, step_time
+        every = [torch.empty_like(mine) for _ in range(self.grid.world_size)]
+        with self.tracer.span("metrics_gather", "comm"):
+            dist.all_gather(every, mine)
+        layout = self.grid.layout
+        loss_sum = sum(float(v[0]) for r, v in enumerate(every)
+                       if layout.coords(r)["tensor"] == 0)
+        times = [float(v[1]) for v in every]
+        return loss_sum, min(times), max(times)
 
     def _forward_backward(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]],
                           scale: torch.Tensor) -> torch.Tensor:
@@ -186,9 +201,9 @@ class Engine:
         return flops_per_token(n, shape.num_layers, shape.num_attention_heads, head_dim,
                                shape.seq_length or 0)
 
-    def _metrics(self, loss: torch.Tensor, norm: float, lr: float, step_time: float,
+    def _metrics(self, loss: float, norm: float, lr: float, times: tuple[float, float],
                  tokens: int, mark: int) -> dict[str, float]:
-        fastest, slowest = spread(step_time)
+        fastest, slowest = times
         out = {
             "step": float(self.step),
             "loss": float(loss),

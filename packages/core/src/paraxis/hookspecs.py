@@ -118,3 +118,12 @@ def paraxis_cli_commands(subparsers: Any) -> None:
 
     Called by :func:`paraxis.cli.build_parser` once. Not firstresult.
     """
+
+
+@hookspec
+def paraxis_log_figure(name: str, svg: str, step: int) -> None:
+    """A picture of the run (an SVG document), e.g. the pipeline's measured timeline.
+
+    Called by the trainer on the logging rank after the last step. Logging plugins store
+    it (paraxis-wandb as an HTML panel); must never raise. Not firstresult.
+    """

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 __all__ = ["Tracer", "flops_per_token", "memory_stats", "mfu", "non_embedding_params"]
@@ -119,9 +118,3 @@ def memory_stats(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     rss *= 1 if sys.platform == "darwin" else 1024  # Linux reports KiB
     return {"model_state_bytes": float(state), "peak_rss_bytes": float(rss)}
 
-
-def spread(value: float, group: object = None) -> tuple[float, float]:
-    """(min, max) of ``value`` over the ranks of ``group`` (all ranks by default)."""
-    t = torch.tensor([value, -value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return -t[1].item(), t[0].item()

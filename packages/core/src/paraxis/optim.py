@@ -80,12 +80,16 @@ def grad_norm(params: Iterable[nn.Parameter], grid: Grid) -> torch.Tensor:
     sum over the whole grid then counts each element exactly once, whatever mix of
     sharded, replicated and stage-local parameters the grid holds.
     """
-    params = [p for p in params if p.grad is not None]
-    device = params[0].grad.device if params else torch.device("cpu")
-    local = torch.zeros((), dtype=torch.float64, device=device)  # NCCL needs it on device
+    by_copies: dict[int, list[torch.Tensor]] = {}
     for p in params:
-        copies = math.prod(grid.size(a) for a in placement_of(p).replicated)
-        local += p.grad.detach().double().pow(2).sum() / copies
+        if p.grad is not None:
+            copies = math.prod(grid.size(a) for a in placement_of(p).replicated)
+            by_copies.setdefault(copies, []).append(p.grad)
+    device = next((g[0].device for g in by_copies.values()), torch.device("cpu"))
+    local = torch.zeros((), dtype=torch.float64, device=device)  # NCCL needs it on device
+    for copies, grads in by_copies.items():
+        # One fused kernel per group (torch's clip_grad_norm_ machinery).
+        local += torch.nn.utils.get_total_norm(grads).double() ** 2 / copies
     if grid.world_size > 1:
         dist.all_reduce(local)
     return local.sqrt()
@@ -96,8 +100,5 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, grid: Grid) -> f
     before clipping. ``max_norm <= 0`` only measures."""
     norm = grad_norm(params, grid)
     if max_norm > 0:
-        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(scale.to(p.grad.dtype))
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm.float())
     return float(norm)

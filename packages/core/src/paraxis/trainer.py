@@ -140,6 +140,7 @@ def train(cfg: RunConfig, history: list[dict[str, float]] | None = None) -> dict
             if every and engine.step % every == 0 and not last:
                 _save(engine, cfg)
     _save(engine, cfg)
+    _log_pipeline_timeline(engine, cfg, pm, logging)
     if cfg.train.trace_dir:
         engine.tracer.export(Path(cfg.train.trace_dir) / f"rank{grid.rank:05d}.trace.json")
     summary = _summarize(history[done_before:], time.perf_counter() - start,
@@ -149,6 +150,23 @@ def train(cfg: RunConfig, history: list[dict[str, float]] | None = None) -> dict
         _summary_table(summary)
     engine.close()
     return summary
+
+
+def _log_pipeline_timeline(engine: Engine, cfg: RunConfig, pm: Any, logging: bool) -> None:
+    """The last step's measured pipeline timeline, as SVG: written beside the traces (or
+    the checkpoints) and handed to the logging plugins. Collective over the pipeline."""
+    pipeline = engine.ctx.extras.get("pipeline")
+    if pipeline is None or not hasattr(pipeline.runner, "measured_svg"):
+        return
+    svg, summary = pipeline.runner.measured_svg()
+    if not logging:
+        return
+    where = cfg.train.trace_dir or cfg.train.checkpoint_dir
+    if where:
+        Path(where).mkdir(parents=True, exist_ok=True)
+        (Path(where) / "pipeline-timeline.svg").write_text(svg)
+    print(summary, flush=True)
+    pm.hook.paraxis_log_figure(name="pipeline_timeline", svg=svg, step=engine.step)
 
 
 def _summarize(history: list[dict[str, float]], wall: float, steps: int) -> dict[str, float]:

@@ -138,6 +138,22 @@ class PipelineRunner:
     def _record(self, a: Action, start: float) -> None:
         self.timeline.append((a, start, time.perf_counter()))
 
+    def measured_svg(self) -> tuple[str, str]:
+        """(SVG picture, one-line summary) of this step's measured timeline, with the
+        measured bubble against theory. Collective over the pipeline group."""
+        from paraxis_pp.simulate import theoretical_bubble
+        from paraxis_pp.timeline import render_svg
+
+        t = self.measured()
+        stages = "; ".join(
+            f"stage {r}: F {st['forward'] * 1e3:.0f} ms, B {st['backward'] * 1e3:.0f} ms, "
+            f"W {st['weight'] * 1e3:.0f} ms, idle {st['idle'] * 1e3:.0f} ms"
+            for r, st in enumerate(t.per_stage()))
+        line = (f"pipeline {self.schedule.name}: measured bubble {t.bubble:.3f}, theory "
+                f"{theoretical_bubble(self.schedule):.3f} (p={self.schedule.ranks}, "
+                f"m={self.schedule.microbatches}, v={self.schedule.chunks}); {stages}")
+        return render_svg(t), line
+
     def measured(self) -> Timeline:
         """This step's timeline gathered from every stage (collective over the group)."""
         rows: list[Any] = [None] * self.group.size

@@ -1,0 +1,88 @@
+"""Schedules are data: checked and dry-run without processes."""
+
+import pytest
+
+from paraxis_pp import Action, Schedule, ScheduleError, build, check, simulate, theoretical_bubble
+from paraxis_pp.split import balanced_split, ranges_from_points
+from paraxis_pp.timeline import render_svg, render_text
+
+GRID = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 4, 8, 16) if m >= p]
+
+
+@pytest.mark.parametrize(("p", "m"), GRID)
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zero_bubble_h1"])
+def test_every_schedule_is_legal(name, p, m):
+    legality = check(build(name, p, m))
+    if name == "gpipe":
+        assert legality.peak_activations == (m,) * p
+    if name == "1f1b":  # rank r keeps at most p - r microbatches alive
+        assert legality.peak_activations == tuple(min(p - r, m) for r in range(p))
+
+
+@pytest.mark.parametrize(("p", "m", "v"), [(2, 2, 2), (2, 4, 2), (4, 4, 2), (4, 8, 3),
+                                           (3, 6, 2), (8, 16, 2)])
+def test_interleaved_is_legal(p, m, v):
+    check(build("interleaved_1f1b", p, m, v))
+
+
+@pytest.mark.parametrize(("name", "p", "m", "v"), [
+    ("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 8, 16, 1),
+    ("interleaved_1f1b", 4, 8, 2), ("interleaved_1f1b", 4, 16, 4)])
+def test_simulated_bubble_matches_theory(name, p, m, v):
+    s = build(name, p, m, v)
+    # Equal stages, backward twice the forward (B + W), as the formulas assume.
+    assert simulate(s, f=1, b=1, w=1).bubble == pytest.approx(theoretical_bubble(s))
+
+
+def test_zero_bubble_beats_1f1b_at_the_same_memory():
+    zb, ofob = build("zero_bubble_h1", 4, 8), build("1f1b", 4, 8)
+    assert simulate(zb).bubble < simulate(ofob).bubble
+    assert simulate(zb).makespan < simulate(ofob).makespan
+    assert check(zb).peak_activations[0] <= 2 * check(ofob).peak_activations[0]
+
+
+def _broken(rows):
+    return Schedule("broken", 2, 1, 1, False, tuple(tuple(r) for r in rows))
+
+
+def test_checker_finds_deadlock_missing_and_duplicate_actions():
+    # Rank 0 waits for B0 from rank 1 before sending F0: neither can move.
+    with pytest.raises(ScheduleError, match="deadlock"):
+        check(_broken([[Action("B", 0), Action("F", 0)], [Action("F", 0), Action("B", 0)]]))
+    with pytest.raises(ScheduleError, match="missing"):
+        check(_broken([[Action("F", 0), Action("B", 0)], [Action("F", 0)]]))
+    with pytest.raises(ScheduleError, match="more than once"):
+        check(_broken([[Action("F", 0), Action("F", 0), Action("B", 0)],
+                       [Action("F", 0), Action("B", 0)]]))
+
+
+def test_interleaved_needs_whole_groups_and_others_one_chunk():
+    with pytest.raises(ValueError, match="divisible by the pipeline degree"):
+        build("interleaved_1f1b", 4, 6, 2)
+    with pytest.raises(ValueError, match="one chunk per rank"):
+        build("1f1b", 2, 4, 2)
+    with pytest.raises(ValueError, match="unknown pipeline schedule"):
+        build("2f2b", 2, 4)
+
+
+def test_split_balances_cost_and_never_drops_layers():
+    assert balanced_split(8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    # A costly head pushes layers off the last stage.
+    ranges = balanced_split(8, 2, last_extra=2.0)
+    assert ranges == [(0, 5), (5, 8)]
+    for layers, stages in [(7, 3), (5, 5), (13, 4)]:
+        r = balanced_split(layers, stages)
+        assert r[0][0] == 0 and r[-1][1] == layers
+        assert all(a < b for a, b in r) and all(r[i][1] == r[i + 1][0] for i in range(stages - 1))
+    assert ranges_from_points(6, [1, 4]) == [(0, 1), (1, 4), (4, 6)]
+    with pytest.raises(ValueError, match="without layers"):
+        ranges_from_points(6, [3, 3])
+
+
+def test_timeline_pictures_show_idle_time():
+    t = simulate(build("1f1b", 2, 3))
+    svg = render_svg(t)
+    assert svg.startswith("<svg") and "stage 1" in svg and "bubble" in svg
+    assert svg.count("<rect") == 2 + sum(len(r) for r in t.entries)  # idle rows + cells
+    text = render_text(t)
+    assert text.splitlines()[1].startswith("stage 1: .")  # stage 1 idles first
