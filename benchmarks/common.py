@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -29,6 +30,33 @@ def timed_step(step: Callable[[], float | None]) -> tuple[float, float]:
     blocked = step() or 0.0
     dist.barrier()
     return time.perf_counter() - start, blocked
+
+
+def llama_parser(doc: str, *, steps: int, warmup: int, layers: int,
+                 batch: int) -> argparse.ArgumentParser:
+    """The arguments every paired Llama benchmark takes, with its own defaults."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--warmup", type=int, default=warmup)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=layers)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=batch)
+    p.add_argument("--no-write", action="store_true", help="do not update RESULTS.md")
+    return p
+
+
+def build_llama(args: argparse.Namespace) -> torch.nn.Module:
+    """The benchmarks' Llama, from config (8 heads, 4 kv heads, byte vocabulary)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model("llama", hidden_size=args.hidden,
+                               intermediate_size=args.hidden * 8 // 3 // 8 * 8,
+                               num_hidden_layers=args.layers, num_attention_heads=8,
+                               num_key_value_heads=4, vocab_size=256,
+                               max_position_embeddings=args.seq)
+    return AutoModelForCausalLM.from_config(cfg)
 
 
 def median(xs: list[float]) -> float:

@@ -18,9 +18,8 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import machine, median, timed_step, write_section
+from common import build_llama, llama_parser, machine, median, timed_step, write_section
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-from transformers import AutoConfig, AutoModelForCausalLM
 
 import paraxis
 from paraxis import ParallelConfig, shutdown
@@ -28,33 +27,16 @@ from paraxis_pp.simulate import theoretical_bubble
 
 
 def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=16)
+    p = llama_parser(__doc__, steps=20, warmup=3, layers=8, batch=16)
     p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--no-write", action="store_true")
     return p.parse_args()
-
-
-def build(args: argparse.Namespace) -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = AutoConfig.for_model("llama", hidden_size=args.hidden,
-                               intermediate_size=args.hidden * 8 // 3 // 8 * 8,
-                               num_hidden_layers=args.layers, num_attention_heads=8,
-                               num_key_value_heads=4, vocab_size=256,
-                               max_position_embeddings=args.seq)
-    return AutoModelForCausalLM.from_config(cfg)
 
 
 def engine_for(args, schedule: str, chunks: int = 1):
     config = ParallelConfig.from_kwargs(pipeline=dist.get_world_size(),
                                         microbatches=args.microbatches,
                                         pipeline_schedule=schedule, virtual_stages=chunks)
-    return paraxis.parallelize(build(args), config=config,
+    return paraxis.parallelize(build_llama(args), config=config,
                                train={"steps": 10**6, "lr": 1e-4, "warmup_steps": 0,
                                       "grad_clip": 1.0, "seq_length": args.seq})
 

@@ -19,7 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import machine, median, timed_step, write_section
+from common import build_llama, llama_parser, machine, median, timed_step, write_section
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -28,36 +28,18 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
-from transformers import AutoConfig, AutoModelForCausalLM
 
 import paraxis
 from paraxis import shutdown
 
 
 def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--no-write", action="store_true")
+    p = llama_parser(__doc__, steps=30, warmup=5, layers=4, batch=4)
     return p.parse_args()
 
 
-def build(args: argparse.Namespace) -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = AutoConfig.for_model("llama", hidden_size=args.hidden,
-                               intermediate_size=args.hidden * 8 // 3 // 8 * 8,
-                               num_hidden_layers=args.layers, num_attention_heads=8,
-                               num_key_value_heads=4, vocab_size=256,
-                               max_position_embeddings=args.seq)
-    return AutoModelForCausalLM.from_config(cfg)
-
-
 def dtensor_model(args: argparse.Namespace, mesh):
-    model = build(args)
+    model = build_llama(args)
     layer_plan = {
         "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
@@ -90,7 +72,7 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    engine = paraxis.parallelize(build(args), tensor=world,
+    engine = paraxis.parallelize(build_llama(args), tensor=world,
                                  train={"steps": 10**6, "lr": 1e-4, "warmup_steps": 0,
                                         "seq_length": args.seq})
     mesh = init_device_mesh("cpu", (world,))
