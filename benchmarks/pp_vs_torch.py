@@ -153,7 +153,7 @@ def report(args, world, med, bubbles) -> None:
         "Theory: (p-1)/(m+p-1) for GPipe and 1F1B; (p-1)/(v·m) of the ideal time for "
         "interleaved; ZB-H1 has no closed form here (its simulated bubble with unit costs "
         "is below 1F1B's). Measured bubbles include point-to-point waits on 2 shared "
-        "CPU cores, and paraxis's W step re-walks the activation-gradient chain.",
+        "CPU cores.",
     ])
     if not args.no_write:
         write_section("pp_vs_torch", table, {"median_step_s": med, "ratio": ratio,

@@ -23,6 +23,14 @@ from paraxis.grid import AxisGroup
 from paraxis_pp.schedules import Action, Schedule
 from paraxis_pp.simulate import Timeline
 
+try:  # torch's own B/W split (what its zero-bubble schedules use); private but stable
+    from torch.distributed.pipelining._backward import (
+        stage_backward_input,
+        stage_backward_weight,
+    )
+except ImportError:  # pragma: no cover - older torch: W re-walks the graph instead
+    stage_backward_input = stage_backward_weight = None
+
 __all__ = ["PipelineRunner"]
 
 KINDS = {"F": 0, "B": 1}
@@ -111,7 +119,7 @@ class PipelineRunner:
                         sends += self._send(x_grad, stage - 1, "B", a.mb, stage)
                 else:  # W: weight gradients of a split backward
                     start = time.perf_counter()
-                    torch.autograd.backward(out, grads.pop(key))
+                    self._weight_grads(key, out, grads.pop(key))
                     self._record(a, start)
                     inputs.pop(key), outputs.pop(key)
         for work in sends:
@@ -127,13 +135,28 @@ class PipelineRunner:
             inputs.pop(key), outputs.pop(key)  # activations freed now
             return x.grad if stage > 0 else None
         # Split backward: the input gradient now (on the critical path), the weight
-        # gradients at the W action. W walks the graph again from the output (no
-        # autograd surgery), so it recomputes the activation-gradient chain.
-        grads[key] = grad
-        if stage == 0:
+        # gradients at the W action. With torch's helpers B keeps the intermediate
+        # gradients W needs, so nothing is computed twice; without them W walks the
+        # graph again from the output.
+        if stage == 0:  # no input gradient to send: all the work happens at W
+            grads[key] = ("full", grad)
             return None
+        if stage_backward_input is not None:
+            (x_grad,), groups = stage_backward_input(
+                [out], None if grad is None else [grad], [x],
+                self.chunks[key[1]].parameters())
+            grads[key] = ("groups", groups)
+            return x_grad
         (x_grad,) = torch.autograd.grad(out, [x], grad, retain_graph=True)
+        grads[key] = ("full", grad)
         return x_grad
+
+    def _weight_grads(self, key: tuple[int, int], out: torch.Tensor, saved: tuple) -> None:
+        how, value = saved
+        if how == "groups":
+            stage_backward_weight(self.chunks[key[1]].parameters(), value)
+        else:
+            torch.autograd.backward(out, value)
 
     def _record(self, a: Action, start: float) -> None:
         self.timeline.append((a, start, time.perf_counter()))
