@@ -6,26 +6,19 @@ import torch
 import torch.distributed as dist
 
 import paraxis
+from paraxis.testing.parity import train_on_random_tokens
 from paraxis_hf import build_debug_model
 
 STEPS, BATCH, SEQ = 4, 4, 16
 
 
 def run_family(family, microbatches):
-    world, rank = dist.get_world_size(), dist.get_rank()
-    engine = paraxis.parallelize(build_debug_model(family), data=world, microbatches=microbatches,
+    engine = paraxis.parallelize(build_debug_model(family), data=dist.get_world_size(),
+                                 microbatches=microbatches,
                                  train={"steps": STEPS, "lr": 1e-3, "warmup_steps": 1,
                                         "seq_length": SEQ})
     assert engine.plan.model_class == type(engine.model).__name__
-    g = torch.Generator().manual_seed(3)
-    per = BATCH // world
-    losses = []
-    for _ in range(STEPS):
-        ids = torch.randint(0, 128, (BATCH, SEQ), generator=g)
-        labels = ids.clone()
-        labels[0, :9] = -100
-        part = slice(rank * per, (rank + 1) * per)
-        losses.append(engine.train_step({"input_ids": ids[part], "labels": labels[part]})["loss"])
+    losses = train_on_random_tokens(engine, steps=STEPS, batch=BATCH, seq=SEQ, vocab=128)
     params = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
     engine.close()
     return losses, params

@@ -9,36 +9,30 @@ import torch.distributed as dist
 
 import paraxis
 from paraxis import ParallelConfig, PlanError
-from paraxis.testing.parity import assemble, local_shards
+from paraxis.testing.parity import (
+    assemble,
+    assert_same_weights,
+    local_shards,
+    train_on_random_tokens,
+)
 from paraxis_hf import build_debug_model
+from paraxis_hf.debug import load_on_one_rank
 
 STEPS, BATCH, SEQ = 20, 4, 16
 
 
 def train(family, degrees, overrides, ckpt=None):
-    world, rank = dist.get_world_size(), dist.get_rank()
     config = ParallelConfig.from_kwargs(**degrees)
     engine = paraxis.parallelize(
         build_debug_model(family, **overrides), config=config,
         train={"steps": STEPS, "lr": 1e-3, "warmup_steps": 2, "seq_length": SEQ})
-    vocab = engine.model.config.vocab_size
-    g = torch.Generator().manual_seed(3)
-    index, count = engine.grid.sample_shard()
-    per = BATCH // count
-    losses = []
-    for _ in range(STEPS):
-        ids = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
-        labels = ids.clone()
-        labels[0, :9] = -100
-        part = slice(index * per, (index + 1) * per)
-        losses.append(engine.train_step({"input_ids": ids[part],
-                                         "labels": labels[part]})["loss"])
+    losses = train_on_random_tokens(engine, steps=STEPS, batch=BATCH, seq=SEQ,
+                                    vocab=engine.model.config.vocab_size)
     if ckpt:
         engine.save(ckpt)
     shards = local_shards(engine.model)
     stats = engine.ctx.extras.get("tensor_parallel")
     engine.close()
-    del world, rank
     return losses, shards, stats.stats.total if stats else 0.0
 
 
@@ -50,14 +44,10 @@ def compare(worlds, family, degrees, overrides=None):
     for losses, _, _ in out:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
                                    rtol=1e-5, atol=0)
-    full, ref = assemble([s for _, s, _ in out]), assemble([ref_shards])
-    assert full.keys() == ref.keys()
-    for name in ref:
-        # Adam divides each element's update by its gradient's running RMS, so an element
-        # whose gradient is near zero turns summation-order noise (reduce-scatter versus
-        # one matmul) into update noise of a fraction of lr; atol is 1% of one step.
-        torch.testing.assert_close(full[name], ref[name], rtol=1e-4, atol=1e-5,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+    # Adam divides each element's update by its gradient's running RMS, so an element
+    # whose gradient is near zero turns summation-order noise (reduce-scatter versus one
+    # matmul) into update noise of a fraction of lr; atol is 1% of one step.
+    assert_same_weights([s for _, s, _ in out], ref_shards, rtol=1e-4, atol=1e-5)
     return out
 
 
@@ -90,19 +80,10 @@ def test_gpt2_is_refused_with_a_clear_error(worlds):
         assert message and "GPT2LMHeadModel has no tensor-parallel plan" in message
 
 
-def load_one_rank(ckpt):
-    engine = paraxis.parallelize(build_debug_model("llama", seed=9, vocab_size=127),
-                                 train={"seq_length": SEQ})
-    engine.load(ckpt)
-    shards = local_shards(engine.model)
-    engine.close()
-    return shards
-
-
 def test_tensor_parallel_checkpoint_restores_on_one_rank(worlds, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     out = worlds.run(2, train, "llama", {"tensor": 2}, {"vocab_size": 127}, ckpt)
     saved = assemble([s for _, s, _ in out])
-    loaded = assemble(worlds.run(1, load_one_rank, ckpt))
+    loaded = assemble(worlds.run(1, load_on_one_rank, ckpt, {"seed": 9, "vocab_size": 127}))
     for name, tensor in saved.items():
         assert torch.equal(loaded[name], tensor), name  # padding neither saved nor loaded

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import paraxis
 from paraxis import ModelPlan, PlanError
-from paraxis.testing.parity import assemble, local_shards
+from paraxis.testing.parity import assert_same_weights, local_shards
 from paraxis.tiny import TinyConfig, TinyTransformer
 
 CFG = TinyConfig(vocab_size=61, hidden_size=32, num_layers=2, num_heads=4,
@@ -44,10 +44,7 @@ def test_tiny_tensor_parallel_matches_one_process(worlds):
     for losses, _ in out:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
                                    rtol=1e-5, atol=0)
-    full, ref = assemble([s for _, s in out]), assemble([ref_shards])
-    assert full.keys() == ref.keys()
-    for name in ref:
-        torch.testing.assert_close(full[name], ref[name], rtol=1e-4, atol=1e-6)
+    assert_same_weights([s for _, s in out], ref_shards, rtol=1e-4, atol=1e-6)
 
 
 def wrap_with(plan):

@@ -8,7 +8,7 @@ from torch import nn
 
 from paraxis_hf.build import build_causal_lm
 
-__all__ = ["DEBUG_CONFIGS", "build_debug_model"]
+__all__ = ["DEBUG_CONFIGS", "build_debug_model", "load_on_one_rank"]
 
 _DECODER = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
@@ -31,3 +31,18 @@ def build_debug_model(family: str, seed: int = 0, **overrides: object) -> nn.Mod
     from ``seed``."""
     torch.manual_seed(seed)
     return build_causal_lm(family, {**DEBUG_CONFIGS[family], **overrides})
+
+
+def load_on_one_rank(ckpt: str, overrides: dict[str, object]) -> dict[str, object]:
+    """Build a fresh debug Llama (different weights), load ``ckpt`` into it on a world of
+    one and return its parameters with placements: how tests show that a checkpoint
+    saved on a sharded grid restores whole."""
+    import paraxis
+    from paraxis.testing.parity import local_shards
+
+    engine = paraxis.parallelize(build_debug_model("llama", **overrides),
+                                 train={"seq_length": 16})
+    engine.load(ckpt)
+    shards = local_shards(engine.model)
+    engine.close()
+    return shards

@@ -7,7 +7,7 @@ from torch import nn
 
 from paraxis.placement import Placement, placement_of
 
-__all__ = ["assemble", "local_shards"]
+__all__ = ["assemble", "assert_same_weights", "local_shards", "train_on_random_tokens"]
 
 
 def local_shards(model: nn.Module) -> dict[str, tuple[torch.Tensor, Placement]]:
@@ -48,3 +48,33 @@ def _place(target: torch.Tensor, local: torch.Tensor, rec: Placement) -> None:
         seen = ~torch.isnan(tgt)
         assert torch.equal(tgt[seen], loc[seen]), f"{rec.name}: replicas disagree"
         tgt.copy_(loc)
+
+
+def train_on_random_tokens(engine, *, steps: int, batch: int, seq: int, vocab: int,
+                           seed: int = 3, ignored: int = 9) -> list[float]:
+    """Train ``steps`` global batches of random tokens, each rank on its sample shard;
+    the first ``ignored`` labels of sample 0 are -100, so shards hold uneven token
+    counts. Returns the per-step losses the engine reported."""
+    g = torch.Generator().manual_seed(seed)
+    index, count = engine.grid.sample_shard()
+    part = slice(index * batch // count, (index + 1) * batch // count)
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, (batch, seq), generator=g)
+        labels = ids.clone()
+        labels[0, :ignored] = -100
+        losses.append(engine.train_step({"input_ids": ids[part],
+                                         "labels": labels[part]})["loss"])
+    return losses
+
+
+def assert_same_weights(per_rank: list[dict[str, tuple[torch.Tensor, Placement]]],
+                        reference: dict[str, tuple[torch.Tensor, Placement]], *,
+                        rtol: float, atol: float) -> None:
+    """The ranks' shards, assembled, equal the one-process reference parameter by
+    parameter (and no parameter is missing or extra)."""
+    full, ref = assemble(per_rank), assemble([reference])
+    assert full.keys() == ref.keys(), sorted(full.keys() ^ ref.keys())
+    for name in ref:
+        torch.testing.assert_close(full[name], ref[name], rtol=rtol, atol=atol,
+                                   msg=lambda m, n=name: f"{n}: {m}")
