@@ -59,6 +59,24 @@ def build_llama(args: argparse.Namespace) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(cfg)
 
 
+def alternate(variants: dict[str, Callable[[], float | None]], *, steps: int,
+              warmup: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Step every variant in turn for ``warmup + steps`` rounds, rotating who goes first
+    each round so that no variant always runs on a warm (or cold) machine. Returns, per
+    variant, the wall times and the blocked times of the measured rounds."""
+    names = list(variants)
+    walls: dict[str, list[float]] = {n: [] for n in names}
+    blocked: dict[str, list[float]] = {n: [] for n in names}
+    for i in range(warmup + steps):
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            wall, wait = timed_step(variants[name])
+            if i >= warmup:
+                walls[name].append(wall)
+                blocked[name].append(wait)
+    return walls, blocked
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
 

@@ -17,7 +17,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from common import machine, median, timed_step, write_section
+from common import alternate, machine, median, write_section
 from torch.nn.parallel import DistributedDataParallel
 
 from paraxis import Grid, ParallelConfig, apply_parallelism, make_plugin_manager, shutdown
@@ -74,16 +74,8 @@ def main() -> None:
         "ddp": stepper(ddp, lambda: None),
         "compute_only": stepper(local, lambda: None),
     }
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    blocked: dict[str, list[float]] = {k: [] for k in variants}
     names = list(variants)
-    for i in range(args.warmup + args.steps):
-        order = names[i % 3:] + names[:i % 3]  # rotate who goes first
-        for name in order:
-            wall, wait = timed_step(variants[name])
-            if i >= args.warmup:
-                times[name].append(wall)
-                blocked[name].append(wait)
+    times, blocked = alternate(variants, steps=args.steps, warmup=args.warmup)
 
     med = {k: median(v) for k, v in times.items()}
     ratio = med["paraxis"] / med["ddp"]

@@ -18,7 +18,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import build_llama, llama_parser, machine, median, timed_step, write_section
+from common import alternate, build_llama, llama_parser, machine, median, write_section
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 import paraxis
@@ -93,12 +93,7 @@ def main() -> None:
         theirs_opt.step()
 
     variants = {"paraxis": paraxis_step, "torch": torch_step}
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    for i in range(args.warmup + args.steps):
-        for name in (list(variants) if i % 2 == 0 else list(variants)[::-1]):
-            wall, _ = timed_step(variants[name])
-            if i >= args.warmup:
-                times[name].append(wall)
+    times, _ = alternate(variants, steps=args.steps, warmup=args.warmup)
     med = {k: median(v) for k, v in times.items()}
     bubbles = measure_bubbles(args, ours)
     if rank == 0:

@@ -19,7 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import build_llama, llama_parser, machine, median, timed_step, write_section
+from common import alternate, build_llama, llama_parser, machine, median, write_section
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -84,8 +84,12 @@ def main() -> None:
     def batch() -> torch.Tensor:
         return torch.randint(0, 256, (args.batch, args.seq), generator=g)
 
+    bytes_per_step: list[float] = []
+
     def paraxis_step() -> None:
+        before = stats.total
         engine.train_step(batch())
+        bytes_per_step.append(stats.total - before)
 
     def dtensor_step() -> None:
         ids = batch()
@@ -98,16 +102,7 @@ def main() -> None:
         opt.step()
 
     variants = {"paraxis": paraxis_step, "dtensor": dtensor_step}
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    bytes_per_step = []
-    for i in range(args.warmup + args.steps):
-        for name in (list(variants) if i % 2 == 0 else list(variants)[::-1]):
-            before = stats.total
-            wall, _ = timed_step(variants[name])
-            if i >= args.warmup:
-                times[name].append(wall)
-                if name == "paraxis":
-                    bytes_per_step.append(stats.total - before)
+    times, _ = alternate(variants, steps=args.steps, warmup=args.warmup)
     med = {k: median(v) for k, v in times.items()}
     ratio = med["paraxis"] / med["dtensor"]
     b, s, h, t, layers = args.batch, args.seq, args.hidden, world, args.layers
