@@ -69,6 +69,10 @@ class Engine:
         self.plan, self.device, self.model_shape = plan, device, model_shape
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.replicas = grid.group(DENSE_REPLICA_AXES)  # ranks with distinct tokens
+        # Tensor ranks hold the same loss sum; counting those at tensor coordinate 0
+        # counts every replica (and, under a pipeline, the last stage's) once.
+        layout = grid.layout
+        self._loss_ranks = [r for r in range(layout.size) if layout.coords(r)["tensor"] == 0]
         self.tracer = Tracer(grid.rank)
         self.step = 0
         self.data_state: dict[str, Any] = {}  # e.g. a BatchStream's position
@@ -144,9 +148,7 @@ class Engine:
         every = [torch.empty_like(mine) for _ in range(self.grid.world_size)]
         with self.tracer.span("metrics_gather", "comm"):
             dist.all_gather(every, mine)
-        layout = self.grid.layout
-        loss_sum = sum(float(v[0]) for r, v in enumerate(every)
-                       if layout.coords(r)["tensor"] == 0)
+        loss_sum = sum(float(every[r][0]) for r in self._loss_ranks)
         times = [float(v[1]) for v in every]
         return loss_sum, min(times), max(times)
 
@@ -163,29 +165,17 @@ class Engine:
             total += loss_sum.detach().double()
         return total
 
-    def _sum_over_pipeline(self, total: torch.Tensor) -> None:
-        """Only the last stage computed the loss; give every stage the sum."""
-        stages = self.grid.group("pipeline")
-        if stages.size > 1:
-            with self.tracer.span("loss_broadcast", "comm"):
-                dist.all_reduce(total, group=stages.pg)
-
     @torch.no_grad()
     def eval_step(self, batch: Any) -> float:
         """Mean loss over this global batch's non-ignored tokens (no parameter update)."""
         ids, labels = _split_batch(batch)
         self.model.eval()
-        count = int((labels[:, 1:] != IGNORE_INDEX).sum())
+        tokens = self._global_tokens(labels)
         if self.ctx.forward_backward is not None:
             loss_sum = self.ctx.forward_backward([(ids, labels)], self.loss_fn, None, False)
-            self._sum_over_pipeline(loss_sum)
         else:
             loss_sum, _ = self.loss_fn(self._logits(ids), labels)
-        total = torch.tensor([float(loss_sum), float(count)], dtype=torch.float64,
-                             device=self.device)
-        if self.replicas.size > 1:
-            dist.all_reduce(total, group=self.replicas.pg)
-        return float(total[0] / total[1].clamp(min=1))
+        return self._reduce_step(loss_sum, 0.0)[0] / tokens.clamp(min=1).item()
 
     # ---- metrics ---------------------------------------------------------------------
 
