@@ -11,7 +11,7 @@ from paraxis.errors import ConfigError
 from paraxis.plugins import make_plugin_manager
 from paraxis.run_config import RunConfig
 from paraxis.strategy import missing_axes, resolve_strategies
-from paraxis.validation import ModelShape, check
+from paraxis.validation import ModelShape, validate
 
 __all__ = ["main"]
 
@@ -25,12 +25,8 @@ def _load_checked(args: argparse.Namespace) -> RunConfig:
                                            "max_position_embeddings": config.train.seq_length})
         model = model if model.hidden_size and model.num_attention_heads else None
     pm = make_plugin_manager()
-    problems = config.check_run()
-    problems += check(config, world_size=getattr(args, "world_size", None), model=model)
-    pm.hook.paraxis_validate_config(config=config, model=model, problems=problems)
-    problems += missing_axes(config, pm)
-    if problems:
-        raise ConfigError(problems)
+    validate(config, world_size=getattr(args, "world_size", None), model=model,
+             plugin_manager=pm, extra=[*config.check_run(), *missing_axes(config, pm)])
     return config
 
 

@@ -130,15 +130,10 @@ def required_axes(config: ParallelConfig) -> list[str]:
     return wanted
 
 
-def _field(axis: str) -> str:
-    return ("schedule.activation_checkpointing" if axis == "activation_checkpointing"
-            else f"parallelism.{axis}")
-
-
-def _value(config: ParallelConfig, axis: str) -> Any:
-    if axis == "activation_checkpointing":
-        return config.schedule.activation_checkpointing
-    return getattr(config.parallelism, axis)
+def _setting(config: ParallelConfig, axis: str) -> tuple[str, Any]:
+    """The config field that asks for ``axis`` (axes are named after their field)."""
+    section = "parallelism" if axis in type(config.parallelism).model_fields else "schedule"
+    return f"{section}.{axis}", getattr(getattr(config, section), axis)
 
 
 def missing_axes(config: ParallelConfig, pm: pluggy.PluginManager) -> list[Problem]:
@@ -146,8 +141,7 @@ def missing_axes(config: ParallelConfig, pm: pluggy.PluginManager) -> list[Probl
     from paraxis.plugins import collect_strategies
 
     available = collect_strategies(pm)
-    return [Problem(_field(axis), _value(config, axis),
-                    f"no installed package provides the {axis} axis",
+    return [Problem(*_setting(config, axis), f"no installed package provides the {axis} axis",
                     f"pip install {PACKAGE_FOR_AXIS[axis]}")
             for axis in required_axes(config) if axis not in available]
 

@@ -8,7 +8,7 @@ through the ``paraxis_validate_config`` hook.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -179,9 +179,11 @@ def _check_model(config: ParallelConfig, model: ModelShape) -> list[Problem]:
 
 
 def validate(config: ParallelConfig, *, world_size: int | None = None,
-             model: ModelShape | None = None, plugin_manager: Any = None) -> None:
-    """Raise :class:`ConfigError` listing every problem, core's and the plugins'."""
-    problems = check(config, world_size=world_size, model=model)
+             model: ModelShape | None = None, plugin_manager: Any = None,
+             extra: Sequence[Problem] = ()) -> None:
+    """Raise :class:`ConfigError` listing every problem: core's, the plugins', and any
+    ``extra`` the caller found (run rules, missing axis packages)."""
+    problems = [*extra, *check(config, world_size=world_size, model=model)]
     if plugin_manager is not None:
         plugin_manager.hook.paraxis_validate_config(config=config, model=model,
                                                     problems=problems)
