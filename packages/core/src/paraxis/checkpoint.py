@@ -71,10 +71,11 @@ def _local_entries(engine: Engine) -> tuple[dict[str, torch.Tensor], dict[str, A
     tensors: dict[str, torch.Tensor] = {}
     entries: dict[str, Any] = {}
 
-    def put(key: str, t: torch.Tensor, shape: list[int], offsets: list[list[int]]) -> None:
+    def put(key: str, t: torch.Tensor, shape: list[int], offsets: list[list[int]],
+            whole: bool = False) -> None:
         tensors[key] = t.detach().to("cpu", copy=True).contiguous()
         entries[key] = {"shape": shape, "dtype": str(t.dtype).removeprefix("torch."),
-                        "offsets": offsets}
+                        "offsets": offsets, "whole": whole}
 
     coords = engine.grid.coords
     for param in engine.model.parameters():
@@ -88,7 +89,9 @@ def _local_entries(engine: Engine) -> tuple[dict[str, torch.Tensor], dict[str, A
                 for suffix, view, shape, region in _pieces(v, rec):
                     put(f"optim/{rec.name}{suffix}/{k}", view, shape, region)
             elif isinstance(v, torch.Tensor):
-                put(f"optim/{rec.name}/{k}", v, list(v.shape), [[0, n] for n in v.shape])
+                # Not laid out like the parameter (AdamW's step): stored whole.
+                put(f"optim/{rec.name}/{k}", v, list(v.shape), [[0, n] for n in v.shape],
+                    whole=True)
     rank = engine.grid.rank
     for name, state in _rng_states(engine).items():
         put(f"rng/rank{rank}/{name}", state, [-1], [])
@@ -139,7 +142,7 @@ def _index(engine: Engine, gathered: list[Any]) -> dict[str, Any]:
     for filename, entries, _ in gathered:
         for key, e in entries.items():
             slot = tensors.setdefault(key, {"shape": e["shape"], "dtype": e["dtype"],
-                                            "shards": []})
+                                            "whole": e["whole"], "shards": []})
             slot["shards"].append({"file": filename, "key": key, "offsets": e["offsets"]})
     model_cfg = getattr(engine.model, "config", None)
     if hasattr(model_cfg, "to_dict"):
@@ -225,17 +228,24 @@ class _Reader:
         return out
 
 
-def _load_optimizer_state(reader: _Reader, index: dict[str, Any], param: torch.Tensor,
+def _optimizer_keys(index: dict[str, Any]) -> dict[str, dict[str, list[str]]]:
+    """parameter name -> state name -> its keys (``optim/<param>[#partK]/<state>``)."""
+    out: dict[str, dict[str, list[str]]] = {}
+    for key in index["tensors"]:
+        if key.startswith("optim/"):
+            owner, _, state = key.removeprefix("optim/").rpartition("/")
+            out.setdefault(owner.partition("#")[0], {}).setdefault(state, []).append(key)
+    return out
+
+
+def _load_optimizer_state(reader: _Reader, keys: dict[str, list[str]], param: torch.Tensor,
                           rec: Placement) -> dict[str, torch.Tensor]:
-    """Optimizer state of one parameter: per-element tensors laid out like it, scalars
-    (AdamW's step) whole."""
+    """Optimizer state of one parameter: tensors laid out like it are assembled from their
+    shards and pieces; the others (AdamW's step) are read whole."""
     state: dict[str, torch.Tensor] = {}
-    names = {k.rsplit("/", 1)[1] for k in index["tensors"]
-             if k.startswith(f"optim/{rec.name}/") or k.startswith(f"optim/{rec.name}#")}
-    for name in sorted(names):
-        if f"optim/{rec.name}/{name}" in index["tensors"] and \
-                index["tensors"][f"optim/{rec.name}/{name}"]["shape"] != list(rec.global_shape):
-            state[name] = reader.read(f"optim/{rec.name}/{name}").to(param.device)
+    for name, state_keys in keys.items():
+        if reader.index["tensors"][state_keys[0]]["whole"]:
+            state[name] = reader.read(state_keys[0]).to(param.device)
             continue
         full = torch.zeros_like(param)
         for suffix, view, _, region in _pieces(full, rec):
@@ -253,11 +263,12 @@ def load_checkpoint(engine: Engine, directory: str | os.PathLike[str]) -> None:
         raise ValueError(f"{ckpt}: format version {index.get('format_version')} is not "
                          f"{FORMAT_VERSION}")
     reader = _Reader(ckpt, index)
+    optimizer_keys = _optimizer_keys(index)
     for param in engine.model.parameters():
         rec = placement_of(param)
         for suffix, view, _, region in _pieces(param, rec):
             view.copy_(reader.read(f"model/{rec.name}{suffix}", region))
-        state = _load_optimizer_state(reader, index, param, rec)
+        state = _load_optimizer_state(reader, optimizer_keys.get(rec.name, {}), param, rec)
         if state:
             engine.optimizer.state[param] = state
     for group, saved in zip(engine.optimizer.param_groups,
