@@ -30,8 +30,11 @@ class ByteTokenizer:
     vocab_size = 256
     separator = 0
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8", errors="replace"))
+    def encode(self, text: str) -> torch.Tensor:
+        raw = bytearray(text.encode("utf-8", errors="replace"))
+        if not raw:
+            return torch.empty(0, dtype=torch.long)
+        return torch.frombuffer(raw, dtype=torch.uint8).long()
 
 
 class _HFTokenizer:
@@ -43,8 +46,8 @@ class _HFTokenizer:
         sep = self.tok.eos_token_id
         self.separator = sep if sep is not None else 0
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False)
+    def encode(self, text: str) -> torch.Tensor:
+        return torch.tensor(self.tok.encode(text, add_special_tokens=False), dtype=torch.long)
 
 
 def load_tokenizer(name: str) -> Any:
@@ -105,16 +108,18 @@ def _documents(cfg: DataSection) -> Iterator[str]:
 
 
 def pack(cfg: DataSection, seq_length: int, tokenizer: Any) -> torch.Tensor:
-    """All documents tokenized, separated, and cut into rows: shape (rows, seq_length)."""
-    ids: list[int] = []
+    """All documents tokenized, separated, and cut into rows: shape (rows, seq_length).
+    Tokens stay tensors throughout (no Python list of millions of ints)."""
+    sep = torch.tensor([tokenizer.separator], dtype=torch.long)
+    pieces: list[torch.Tensor] = []
     for doc in iter_documents(cfg):
-        ids.extend(tokenizer.encode(doc))
-        ids.append(tokenizer.separator)
+        pieces += [tokenizer.encode(doc), sep]
+    ids = torch.cat(pieces) if pieces else sep[:0]
     rows = len(ids) // seq_length
     if rows == 0:
         raise ValueError(f"data.source {cfg.source!r} holds {len(ids)} tokens, fewer than "
                          f"one sequence of {seq_length}")
-    return torch.tensor(ids[: rows * seq_length], dtype=torch.long).view(rows, seq_length)
+    return ids[: rows * seq_length].view(rows, seq_length)
 
 
 class BatchStream:
