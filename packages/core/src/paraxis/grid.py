@@ -20,6 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from paraxis.collectives import CommStats
 from paraxis.config import AXES, ParallelConfig
 from paraxis.errors import ConfigError, Problem
 
@@ -89,12 +90,15 @@ class AxisGroup:
     """This rank's group along some axes: the members, our index and the process group.
 
     ``pg`` is None when the group has one member: collectives over it are no-ops.
+    ``stats`` is the grid's :class:`~paraxis.collectives.CommStats`, where core's
+    collectives count the bytes and blocked seconds of every op over this group.
     """
 
     axes: tuple[str, ...]
     ranks: tuple[int, ...]
     rank: int
     pg: Any = field(default=None, compare=False, repr=False)
+    stats: Any = field(default=None, compare=False, repr=False)
 
     @property
     def size(self) -> int:
@@ -111,14 +115,20 @@ class Grid:
 
     # The groups every run gets; more can be asked for by axis tuple.
     STANDARD: tuple[tuple[str, ...], ...] = (
-        *((a,) for a in AXES), DENSE_REPLICA_AXES, EXPERT_REPLICA_AXES,
+        *((a,) for a in AXES), DENSE_REPLICA_AXES, EXPERT_REPLICA_AXES, AXES,
     )
 
-    def __init__(self, layout: GridLayout, rank: int, groups: Mapping[tuple[str, ...], AxisGroup]):
+    def __init__(self, layout: GridLayout, rank: int, groups: Mapping[tuple[str, ...], AxisGroup],
+                 comm: CommStats | None = None, embedding: AxisGroup | None = None):
         self.layout = layout
         self.rank = rank
         self.coords = layout.coords(rank)
         self._groups = dict(groups)
+        self.comm = comm if comm is not None else CommStats()
+        # First and last pipeline stage of this rank's pipeline (None elsewhere and
+        # without a pipeline): the ranks that hold a tied embedding (Megatron's
+        # embedding group).
+        self.embedding = embedding
 
     @classmethod
     def build(cls, config: ParallelConfig | Mapping[str, int]) -> Grid:
@@ -134,12 +144,17 @@ class Grid:
                                        f"must equal the product of degrees {layout.degrees} "
                                        f"= {layout.size}", "launch that many processes")])
         rank = dist.get_rank()
+        comm = CommStats()
         groups: dict[tuple[str, ...], AxisGroup] = {}
         for axes in cls.STANDARD:
             axes = _canonical(axes)
             if axes not in groups:
-                groups[axes] = _new_axis_group(layout, rank, axes)
-        return cls(layout, rank, groups)
+                groups[axes] = _new_axis_group(layout, rank, axes, comm)
+        embedding = None
+        if layout.degrees["pipeline"] > 1:
+            ends = [[g[0], g[-1]] for g in layout.group_ranks("pipeline")]
+            embedding = _new_group_of(ends, layout, rank, ("pipeline",), comm)
+        return cls(layout, rank, groups, comm, embedding)
 
     def group(self, axes: str | Iterable[str]) -> AxisGroup:
         """This rank's group along ``axes`` (a name or several, any order)."""
@@ -148,6 +163,11 @@ class Grid:
             raise KeyError(f"group {key} was not built; standard groups: "
                            f"{[list(k) for k in self._groups]}")
         return self._groups[key]
+
+    @property
+    def world(self) -> AxisGroup:
+        """Every rank (the default group), for grid-wide collectives."""
+        return self._groups[AXES]
 
     def size(self, axis: str) -> int:
         return self.layout.degrees[axis]
@@ -184,22 +204,36 @@ class Grid:
 
     def destroy(self) -> None:
         """Destroy the process groups this grid created (not the default group)."""
-        for g in self._groups.values():
-            if g.pg is not None and g.pg is not dist.group.WORLD:
+        groups = list(self._groups.values())
+        if self.embedding is not None:
+            groups.append(self.embedding)
+        destroyed = set()
+        for g in groups:
+            if g.pg is not None and g.pg is not dist.group.WORLD and id(g.pg) not in destroyed:
+                destroyed.add(id(g.pg))
                 dist.destroy_process_group(g.pg)
         self._groups.clear()
+        self.embedding = None
 
 
-def _new_axis_group(layout: GridLayout, rank: int, axes: tuple[str, ...]) -> AxisGroup:
+def _new_group_of(members: list[list[int]], layout: GridLayout, rank: int,
+                  axes: tuple[str, ...], comm: CommStats) -> AxisGroup | None:
+    """Create a process group for each list of ``members``; return this rank's."""
     mine: AxisGroup | None = None
-    for ranks in layout.group_ranks(axes):
+    for ranks in members:
         pg = None
         if len(ranks) > 1:
             # new_group is collective over the default group: every rank creates every
             # group, in the same order, even the ones it is not in.
             pg = dist.new_group(ranks=ranks) if len(ranks) < layout.size else dist.group.WORLD
         if rank in ranks:
-            mine = AxisGroup(axes, tuple(ranks), ranks.index(rank), pg)
+            mine = AxisGroup(axes, tuple(ranks), ranks.index(rank), pg, comm)
+    return mine
+
+
+def _new_axis_group(layout: GridLayout, rank: int, axes: tuple[str, ...],
+                    comm: CommStats) -> AxisGroup:
+    mine = _new_group_of(layout.group_ranks(axes), layout, rank, axes, comm)
     assert mine is not None
     return mine
 

@@ -1,0 +1,376 @@
+"""Collectives shared by every axis: differentiable where a model's forward needs them,
+each counting the bytes it puts on the wire and the seconds the caller sat blocked.
+
+Bytes follow the bus-bandwidth convention of NCCL's tests (what a ring moves per rank):
+all-reduce ``2(n-1)/n`` x size, all-gather and reduce-scatter ``(n-1)/n`` x the full
+size, all-to-all the bytes sent to other ranks, point-to-point the message. Counts go to
+the :class:`CommStats` of the group's grid, keyed by the group's axes and the op, so an
+engine can report bytes per axis without any axis plumbing its own counter.
+
+The differentiable ops are the conjugate pairs of Megatron-LM (arXiv:1909.08053,
+section 3) and of sequence parallelism (Korthikanti et al., arXiv:2205.05198):
+
+| op                 | forward                      | backward                       |
+| ------------------ | ---------------------------- | ------------------------------ |
+| ``copy_to``        | identity (Megatron's f)      | all-reduce                     |
+| ``reduce_from``    | all-reduce (Megatron's g)    | identity                       |
+| ``all_reduce``     | all-reduce                   | all-reduce (a true sum)        |
+| ``all_gather``     | all-gather along ``dim``     | own slice, or reduce-scatter   |
+| ``reduce_scatter`` | reduce-scatter along ``dim`` | all-gather                     |
+| ``split``          | own slice along ``dim``      | all-gather                     |
+| ``all_to_all``     | scatter one dim, gather one  | the reverse exchange           |
+| ``all_to_all_uneven`` | rows to ranks by counts   | rows back by the same counts   |
+
+``all_gather(..., grad="slice")`` suits a gathered tensor whose every consumer is
+replicated over the group (its gradient is the same on every rank); ``grad="sum"`` a
+tensor that each rank uses for different work (the gradient is partial per rank).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from paraxis.grid import AxisGroup
+
+__all__ = [
+    "CommStats",
+    "Pending",
+    "all_gather",
+    "all_gather_into",
+    "all_reduce",
+    "all_reduce_",
+    "all_to_all",
+    "all_to_all_uneven",
+    "copy_to",
+    "reduce_from",
+    "reduce_scatter",
+    "reduce_scatter_into",
+    "split",
+]
+
+
+@dataclass
+class CommStats:
+    """Bytes and blocked seconds per (axes, op) for one grid; ``since(mark)`` gives the
+    totals of one step."""
+
+    bytes: dict[tuple[str, str], float] = field(default_factory=dict)
+    seconds: dict[tuple[str, str], float] = field(default_factory=dict)
+    calls: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def add(self, axes: tuple[str, ...], op: str, nbytes: float = 0.0,
+            seconds: float = 0.0, calls: int = 1) -> None:
+        key = ("x".join(axes) or "self", op)
+        self.bytes[key] = self.bytes.get(key, 0.0) + nbytes
+        self.seconds[key] = self.seconds.get(key, 0.0) + seconds
+        self.calls[key] = self.calls.get(key, 0) + calls
+
+    def mark(self) -> dict[str, dict[tuple[str, str], float]]:
+        return {"bytes": dict(self.bytes), "seconds": dict(self.seconds)}
+
+    def since(self, mark: dict[str, dict[tuple[str, str], float]] | None = None,
+              ) -> dict[str, dict[tuple[str, str], float]]:
+        """Per-key differences from ``mark`` (everything when None)."""
+        mark = mark or {"bytes": {}, "seconds": {}}
+        return {kind: {k: v - mark[kind].get(k, 0.0) for k, v in getattr(self, kind).items()
+                       if v - mark[kind].get(k, 0.0)}
+                for kind in ("bytes", "seconds")}
+
+    def bytes_by_axis(self, mark: Any = None) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for (axes, _), n in self.since(mark)["bytes"].items():
+            out[axes] = out.get(axes, 0.0) + n
+        return out
+
+    def total_seconds(self, mark: Any = None) -> float:
+        return sum(self.since(mark)["seconds"].values())
+
+    def total_bytes(self, mark: Any = None) -> float:
+        return sum(self.since(mark)["bytes"].values())
+
+
+def _record(group: AxisGroup, op: str, nbytes: float, seconds: float) -> None:
+    stats = getattr(group, "stats", None)
+    if stats is not None:
+        stats.add(group.axes, op, nbytes, seconds)
+
+
+def _ring(t: torch.Tensor, n: int, factor: float = 1.0) -> float:
+    return factor * (n - 1) / n * t.numel() * t.element_size()
+
+
+class Pending:
+    """An asynchronous collective: ``wait()`` blocks, counts the seconds, and returns
+    the result (if the op produces one)."""
+
+    def __init__(self, work: Any, group: AxisGroup, op: str, result: Any = None):
+        self.work, self.group, self.op, self.result = work, group, op, result
+
+    def wait(self) -> Any:
+        if self.work is not None:
+            start = time.perf_counter()
+            self.work.wait()
+            _record(self.group, self.op, 0.0, time.perf_counter() - start)
+            self.work = None
+        return self.result
+
+
+# ---- in-place and buffer collectives (no autograd) ----------------------------------
+
+
+def all_reduce_(t: torch.Tensor, group: AxisGroup, *, op: Any = None,
+                async_op: bool = False) -> Pending | None:
+    """Sum (or ``op``) ``t`` in place over ``group``; a no-op for a group of one."""
+    if group.size == 1:
+        return Pending(None, group, "all_reduce") if async_op else None
+    kwargs = {} if op is None else {"op": op}
+    start = time.perf_counter()
+    work = dist.all_reduce(t, group=group.pg, async_op=async_op, **kwargs)
+    _record(group, "all_reduce", _ring(t, group.size, 2.0),
+            0.0 if async_op else time.perf_counter() - start)
+    return Pending(work, group, "all_reduce") if async_op else None
+
+
+def reduce_scatter_into(out: torch.Tensor, flat: torch.Tensor, group: AxisGroup, *,
+                        async_op: bool = False) -> Pending | None:
+    """``out`` = this rank's equal part of the sum of ``flat`` over ``group``."""
+    if group.size == 1:
+        out.copy_(flat)
+        return Pending(None, group, "reduce_scatter") if async_op else None
+    start = time.perf_counter()
+    work = dist.reduce_scatter_tensor(out, flat, group=group.pg, async_op=async_op)
+    _record(group, "reduce_scatter", _ring(flat, group.size),
+            0.0 if async_op else time.perf_counter() - start)
+    return Pending(work, group, "reduce_scatter") if async_op else None
+
+
+def all_gather_into(out: torch.Tensor, part: torch.Tensor, group: AxisGroup, *,
+                    async_op: bool = False) -> Pending | None:
+    """``out`` (flat) = every rank's ``part``, concatenated in rank order."""
+    if group.size == 1:
+        out.copy_(part)
+        return Pending(None, group, "all_gather") if async_op else None
+    start = time.perf_counter()
+    work = dist.all_gather_into_tensor(out, part, group=group.pg, async_op=async_op)
+    _record(group, "all_gather", _ring(out, group.size),
+            0.0 if async_op else time.perf_counter() - start)
+    return Pending(work, group, "all_gather") if async_op else None
+
+
+def _gather(x: torch.Tensor, dim: int, group: AxisGroup) -> torch.Tensor:
+    moved = x.movedim(dim, 0).contiguous()
+    out = torch.empty((group.size * moved.shape[0], *moved.shape[1:]), dtype=x.dtype,
+                      device=x.device)
+    all_gather_into(out, moved, group)
+    return out.movedim(0, dim)
+
+
+def _scatter_sum(x: torch.Tensor, dim: int, group: AxisGroup) -> torch.Tensor:
+    if x.shape[dim] % group.size:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not split over "
+                         f"{group.size} ranks of {'x'.join(group.axes)}")
+    moved = x.movedim(dim, 0).contiguous()
+    out = torch.empty((moved.shape[0] // group.size, *moved.shape[1:]), dtype=x.dtype,
+                      device=x.device)
+    reduce_scatter_into(out, moved, group)
+    return out.movedim(0, dim)
+
+
+def _own(x: torch.Tensor, dim: int, group: AxisGroup) -> torch.Tensor:
+    if x.shape[dim] % group.size:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not split over "
+                         f"{group.size} ranks of {'x'.join(group.axes)}")
+    return x.chunk(group.size, dim=dim)[group.rank].contiguous()
+
+
+def _sum(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    x = x.contiguous().clone()
+    all_reduce_(x, group)
+    return x
+
+
+# ---- differentiable -----------------------------------------------------------------
+
+
+class _CopyTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return _sum(grad, ctx.group), None
+
+
+class _ReduceFrom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+        return _sum(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return grad, None
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+        ctx.group = group
+        return _sum(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return _sum(grad, ctx.group), None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: AxisGroup,
+                grad_sum: bool) -> torch.Tensor:
+        ctx.dim, ctx.group, ctx.grad_sum = dim, group, grad_sum
+        return _gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        if ctx.grad_sum:
+            return _scatter_sum(grad, ctx.dim, ctx.group), None, None, None
+        return _own(grad, ctx.dim, ctx.group), None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: AxisGroup) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _scatter_sum(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return _gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _Split(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: AxisGroup) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _own(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return _gather(grad, ctx.dim, ctx.group), None, None
+
+
+def _exchange(x: torch.Tensor, group: AxisGroup, send: Sequence[int],
+              recv: Sequence[int]) -> torch.Tensor:
+    """Rows of ``x`` (dim 0) go to ranks by ``send`` counts; ``recv`` rows come back."""
+    x = x.contiguous()
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    row = x[0].numel() * x.element_size() if x.shape[0] else 0
+    mine = send[group.rank]
+    start = time.perf_counter()
+    dist.all_to_all_single(out, x, output_split_sizes=list(recv), input_split_sizes=list(send),
+                           group=group.pg)
+    _record(group, "all_to_all", float((sum(send) - mine) * row), time.perf_counter() - start)
+    return out
+
+
+class _AllToAllUneven(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: AxisGroup, send: tuple[int, ...],
+                recv: tuple[int, ...]) -> torch.Tensor:
+        ctx.group, ctx.send, ctx.recv = group, send, recv
+        return _exchange(x, group, send, recv)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return _exchange(grad, ctx.group, ctx.recv, ctx.send), None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: AxisGroup, scatter_dim: int,
+                gather_dim: int) -> torch.Tensor:
+        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
+        return _all_to_all(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all(grad, ctx.group, gather_dim, scatter_dim), None, None, None
+
+
+def _all_to_all(x: torch.Tensor, group: AxisGroup, scatter_dim: int,
+                gather_dim: int) -> torch.Tensor:
+    n = group.size
+    if x.shape[scatter_dim] % n:
+        raise ValueError(f"dimension {scatter_dim} of size {x.shape[scatter_dim]} does not "
+                         f"split over {n} ranks of {'x'.join(group.axes)}")
+    # Chunk i of the scatter dim goes to rank i; what arrives from rank j is stacked
+    # along the gather dim in rank order.
+    parts = x.movedim(scatter_dim, 0).reshape(n, -1, *x.movedim(scatter_dim, 0).shape[1:])
+    flat = parts.contiguous()
+    out = torch.empty_like(flat)
+    start = time.perf_counter()
+    dist.all_to_all_single(out, flat, group=group.pg)
+    _record(group, "all_to_all", _ring(flat, n), time.perf_counter() - start)
+    # out[j] is rank j's chunk for us, shaped like x with the scatter dim cut by n.
+    pieces = [p.movedim(0, scatter_dim) for p in out.unbind(0)]
+    return torch.cat(pieces, dim=gather_dim)
+
+
+def copy_to(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """Identity forward; backward sums the gradient over ``group`` (Megatron's f)."""
+    return x if group.size == 1 else _CopyTo.apply(x, group)
+
+
+def reduce_from(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """Sum over ``group`` forward; identity backward (Megatron's g)."""
+    return x if group.size == 1 else _ReduceFrom.apply(x, group)
+
+
+def all_reduce(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """A true differentiable sum over ``group``: the gradient is summed too."""
+    return x if group.size == 1 else _AllReduce.apply(x, group)
+
+
+def all_gather(x: torch.Tensor, group: AxisGroup, *, dim: int,
+               grad: str = "slice") -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``. Backward keeps this rank's slice
+    (``grad="slice"``) or reduce-scatters it (``grad="sum"``); see the module docstring."""
+    if grad not in ("slice", "sum"):
+        raise ValueError(f"grad must be 'slice' or 'sum', not {grad!r}")
+    return x if group.size == 1 else _AllGather.apply(x, dim, group, grad == "sum")
+
+
+def reduce_scatter(x: torch.Tensor, group: AxisGroup, *, dim: int) -> torch.Tensor:
+    """This rank's part along ``dim`` of the sum over ``group``; backward all-gathers."""
+    return x if group.size == 1 else _ReduceScatter.apply(x, dim, group)
+
+
+def split(x: torch.Tensor, group: AxisGroup, *, dim: int) -> torch.Tensor:
+    """This rank's equal part along ``dim``; backward all-gathers."""
+    return x if group.size == 1 else _Split.apply(x, dim, group)
+
+
+def all_to_all(x: torch.Tensor, group: AxisGroup, *, scatter_dim: int,
+               gather_dim: int) -> torch.Tensor:
+    """Cut ``scatter_dim`` into ``group.size`` parts, send part i to rank i, and stack
+    what arrives along ``gather_dim`` (DeepSpeed-Ulysses' exchange, arXiv:2309.14509)."""
+    return x if group.size == 1 else _AllToAll.apply(x, group, scatter_dim, gather_dim)
+
+
+def all_to_all_uneven(x: torch.Tensor, group: AxisGroup, send: Sequence[int],
+                      recv: Sequence[int]) -> torch.Tensor:
+    """Rows of ``x`` go to ranks in order, ``send[i]`` to rank i; ``recv[j]`` rows arrive
+    from rank j (exchange the counts first). Backward returns gradients the same way."""
+    if group.size == 1:
+        return x
+    return _AllToAllUneven.apply(x, group, tuple(int(n) for n in send),
+                                 tuple(int(n) for n in recv))
