@@ -108,7 +108,7 @@ def measure_bubbles(args, ours) -> list[tuple[str, float, float]]:
     for name, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2),
                          ("zero_bubble_h1", 1)):
         engine = ours if name == "1f1b" else engine_for(args, name, chunks)
-        runner = engine.ctx.extras["pipeline"].runner
+        runner = engine.ctx.forward_backward
         values = []
         for _ in range(5):
             engine.train_step(torch.randint(0, 256, (args.batch, args.seq)))

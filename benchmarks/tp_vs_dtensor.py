@@ -78,7 +78,6 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (world,))
     dt = dtensor_model(args, mesh)
     opt = torch.optim.AdamW(dt.parameters(), lr=1e-4)
-    stats = engine.ctx.extras["tensor_parallel"].stats
     g = torch.Generator().manual_seed(0)
 
     def batch() -> torch.Tensor:
@@ -87,9 +86,8 @@ def main() -> None:
     bytes_per_step: list[float] = []
 
     def paraxis_step() -> None:
-        before = stats.total
-        engine.train_step(batch())
-        bytes_per_step.append(stats.total - before)
+        metrics = engine.train_step(batch())
+        bytes_per_step.append(metrics.get("comm/tensor_bytes", 0.0))
 
     def dtensor_step() -> None:
         ids = batch()
@@ -109,7 +107,8 @@ def main() -> None:
     theory = 8 * b * s * h * (t - 1) / t * 4 * layers  # fp32 bytes, transformer layers only
     measured = median(bytes_per_step)
     if dist.get_rank() == 0:
-        write_result(args, world, med, ratio, measured, theory, stats.bytes_by_op)
+        by_op = {op: n for (axes, op), n in engine.grid.comm.bytes.items() if axes == "tensor"}
+        write_result(args, world, med, ratio, measured, theory, by_op)
     engine.close()
     shutdown()
 

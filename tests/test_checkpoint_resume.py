@@ -58,12 +58,12 @@ def test_checkpoint_directory_format(tmp_path):
     assert index["model_config"]["hidden_size"] == 32
     assert {"torch", "paraxis", "python"} <= set(index["versions"])
     assert index["scheduler"]["step_count"] == 3
-    emb = index["tensors"]["model/embed.weight"]
+    emb = index["tensors"]["model/embed.tokens.weight"]
     assert emb["shape"] == [256, 32] and emb["dtype"] == "float32"
     # Replicated tensors are written once, by the first replica.
     assert [s["file"] for s in emb["shards"]] == ["rank00000.safetensors"]
-    assert {"optim/embed.weight/exp_avg", "optim/embed.weight/exp_avg_sq",
-            "optim/embed.weight/step", "rng/rank1/torch"} <= set(index["tensors"])
+    assert {"optim/embed.tokens.weight/exp_avg", "optim/embed.tokens.weight/exp_avg_sq",
+            "optim/embed.tokens.weight/step", "rng/rank1/torch"} <= set(index["tensors"])
     with safe_open(str(step_dir / "rank00001.safetensors"), "pt") as f:
         assert list(f.keys()) == ["rng/rank1/torch"]
 

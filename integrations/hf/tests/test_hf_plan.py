@@ -4,8 +4,10 @@ import pytest
 import torch
 
 from paraxis import PlanError, make_plugin_manager
+from paraxis.batch import shift_labels
 from paraxis.engine import causal_lm_loss_sum
 from paraxis.plan import find_plan
+from paraxis.testing.tolerance import assert_step_close
 from paraxis_hf import DEBUG_CONFIGS, build_debug_model
 
 DECODERS = ["llama", "mistral", "qwen2"]
@@ -62,6 +64,7 @@ def test_loss_equals_the_models_own_labels_loss(family):
     labels[0, :5] = -100
     labels[2, 9:] = -100
     want = model(ids, labels=labels, use_cache=False).loss
-    loss_sum, count = causal_lm_loss_sum(model(ids, use_cache=False).logits, labels)
+    loss_sum, count = causal_lm_loss_sum(model(ids, use_cache=False).logits,
+                                         shift_labels(labels))
     assert count == int((labels[:, 1:] != -100).sum())
-    torch.testing.assert_close(loss_sum / count, want, rtol=1e-6, atol=1e-6)
+    assert_step_close(loss_sum / count, want, "loss against the model's labels= loss")

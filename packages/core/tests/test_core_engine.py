@@ -4,6 +4,7 @@ and errors raised before any process group exists."""
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import paraxis
 import paraxis.testing
@@ -97,25 +98,53 @@ def recompute_run(mode):
     engine = paraxis.parallelize(TinyTransformer(CFG), train=TRAIN,
                                  config=paraxis.ParallelConfig.from_kwargs(
                                      activation_checkpointing=mode))
-    calls = []
-    engine.model.layers[0].qkv.register_forward_hook(lambda *a: calls.append(1))
+    calls = {"attn": 0, "mlp": 0}
+    layer = engine.model.layers[0]
+    layer.attn.qkv.register_forward_hook(lambda *a: calls.__setitem__("attn", calls["attn"] + 1))
+    layer.mlp.up.register_forward_hook(lambda *a: calls.__setitem__("mlp", calls["mlp"] + 1))
     ids = torch.randint(0, CFG.vocab_size, (4, CFG.seq_length),
                         generator=torch.Generator().manual_seed(0))
     losses = [engine.train_step(ids)["loss"] for _ in range(3)]
     params = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
     engine.close()
-    return losses, params, len(calls)
+    return losses, params, calls
 
 
-def test_full_recomputation_changes_nothing_but_runs_forward_twice(worlds):
+@pytest.mark.parametrize(("mode", "attn", "mlp"), [("full", 6, 6), ("selective", 6, 3)])
+def test_recomputation_changes_nothing_but_runs_forward_again(worlds, mode, attn, mlp):
     (base, base_params, base_calls), = worlds.run(1, recompute_run, "none")
-    (full, full_params, full_calls), = worlds.run(1, recompute_run, "full")
-    assert base_calls == 3 and full_calls == 6  # each layer recomputed in backward
-    assert full == base
+    (again, params, calls), = worlds.run(1, recompute_run, mode)
+    assert base_calls == {"attn": 3, "mlp": 3}
+    assert calls == {"attn": attn, "mlp": mlp}  # what is recomputed ran twice
+    assert again == base
     for name, p in base_params.items():
-        assert torch.equal(full_params[name], p), name
+        assert torch.equal(params[name], p), name
+
+
+class NoAttention(nn.Module):
+    """Layers with no attention child: selective recomputation has nothing to pick."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def selective_without_attention():
+    try:
+        paraxis.parallelize(NoAttention(), activation_checkpointing="selective")
+    except paraxis.PlanError as exc:
+        return str(exc)
+    return None
 
 
 def test_selective_needs_an_attention_block(worlds):
-    with pytest.raises(paraxis.testing.RankFailure, match="no attention block"):
-        worlds.run(1, recompute_run, "selective")
+    (message,) = worlds.run(1, selective_without_attention)
+    assert message and "no attention block" in message

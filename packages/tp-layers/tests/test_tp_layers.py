@@ -1,6 +1,8 @@
-"""Each tensor-parallel layer against its unsharded twin on real gloo ranks: outputs,
-input gradients and weight gradients (fp32, rtol 1e-5)."""
+"""Each tensor-parallel sharding against its unsharded twin on real gloo ranks: outputs,
+input gradients and weight gradients (one step's tolerance). Modules are sharded in place,
+so a subclass keeps its own forward (an embedding that scales its output)."""
 
+import copy
 import functools
 
 import pytest
@@ -10,21 +12,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from paraxis import Grid
+from paraxis.collectives import all_gather, copy_to
 from paraxis.placement import record_replicated
+from paraxis.testing.tolerance import assert_step_close
 from paraxis_tp import (
-    ColumnParallelLinear,
-    RowParallelLinear,
     TensorParallelRNG,
-    VocabParallelEmbedding,
+    shard_column,
+    shard_embedding,
+    shard_row,
     vocab_parallel_cross_entropy,
 )
-from paraxis_tp.functional import copy_to_region, gather_seq
 
-TOL = {"rtol": 1e-5, "atol": 1e-6}
-
-
-def close(a, b, what):
-    torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"{what}: {m}")
+close = assert_step_close  # one step's arithmetic in another order
 
 
 def setup(seed=0):
@@ -37,6 +36,20 @@ def own(t, g, dim):
     return t.chunk(g.size, dim=dim)[g.rank]
 
 
+def twin(dense):
+    """A copy of ``dense`` with placement records, to be sharded in place."""
+    module = copy.deepcopy(dense)
+    record_replicated(module)
+    return module
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Like Gemma's: an nn.Embedding subclass whose forward scales its output."""
+
+    def forward(self, ids):
+        return super().forward(ids) * 3.0
+
+
 def column_rank(gather_output, sequence_parallel):
     grid, g = setup()
     dense = nn.Linear(8, 12)
@@ -45,8 +58,10 @@ def column_rank(gather_output, sequence_parallel):
     w = torch.randn(2, 4, 12)
     xd = x.clone().requires_grad_()
     (dense(xd) * w).sum().backward()
-    enter = functools.partial(gather_seq if sequence_parallel else copy_to_region, group=g)
-    col = ColumnParallelLinear.from_dense(dense, g, gather_output=gather_output, enter=enter)
+    enter = (functools.partial(all_gather, group=g, dim=1, grad="sum") if sequence_parallel
+             else functools.partial(copy_to, group=g))
+    col = twin(dense)
+    shard_column(col, g, {}, gather_output=gather_output, enter=enter)
     xp = (own(x, g, 1) if sequence_parallel else x).clone().requires_grad_()
     y = col(xp)
     if gather_output:  # every rank holds the whole output and the same loss
@@ -69,8 +84,8 @@ def row_rank(split_input, sequence_parallel):
     x, w = torch.randn(2, 4, 12), torch.randn(2, 4, 8)
     xd = x.clone().requires_grad_()
     (dense(xd) * w).sum().backward()
-    row = RowParallelLinear.from_dense(dense, g, split_input=split_input,
-                                       sequence_parallel=sequence_parallel)
+    row = twin(dense)
+    shard_row(row, g, {}, split_input=split_input, sequence_parallel=sequence_parallel)
     xp = (x if split_input else own(x, g, -1)).clone().requires_grad_()
     y = row(xp)
     if sequence_parallel:
@@ -90,16 +105,19 @@ def row_rank(split_input, sequence_parallel):
     return True
 
 
-def embedding_and_loss_rank():
+def embedding_and_loss_rank(kind):
     grid, g = setup()
     vocab = 11  # not a multiple of the tensor degree: padded
-    emb = nn.Embedding(vocab, 6, padding_idx=7)  # the pad row must get no gradient
-    record_replicated(emb)
+    emb = kind(vocab, 6, padding_idx=7)  # the pad row must get no gradient
     ids = torch.randint(0, vocab, (3, 5))
     ids[0, 0] = 7
     (emb(ids) ** 2).sum().backward()
-    par = VocabParallelEmbedding.from_dense(emb, g, padded=-(-vocab // g.size) * g.size)
-    (par(ids) ** 2).sum().backward()
+    par = twin(emb)
+    shard_embedding(par, g, {}, padded=-(-vocab // g.size) * g.size)
+    assert type(par) is kind  # the module keeps its class, hence its forward
+    out = par(ids)
+    close(out, emb(ids), "embedding output")
+    (out ** 2).sum().backward()
     per = par.weight.shape[0]
     real = max(0, min(per, vocab - g.rank * per))
     close(par.weight.grad[:real], emb.weight.grad[g.rank * per:g.rank * per + real],
@@ -160,8 +178,9 @@ def test_row_parallel_linear(worlds, split_input, sequence_parallel):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_vocab_parallel_embedding_and_cross_entropy_with_padding(worlds, world):
-    assert all(worlds.run(world, embedding_and_loss_rank))
+@pytest.mark.parametrize("kind", [nn.Embedding, ScaledEmbedding])
+def test_vocab_parallel_embedding_and_cross_entropy_with_padding(worlds, world, kind):
+    assert all(worlds.run(world, embedding_and_loss_rank, kind))
 
 
 def test_dropout_rng_same_outside_different_inside_and_restorable(worlds):

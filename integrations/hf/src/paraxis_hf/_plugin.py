@@ -28,14 +28,13 @@ def paraxis_build_model(family: str, config: dict[str, Any]) -> Any:
 
 
 @hookimpl
-def paraxis_pipeline_stage(model: Any, plan: Any, layers: tuple[int, int], first: bool,
-                           last: bool) -> Any:
+def paraxis_stage_calls(model: Any, plan: Any) -> Any:
     try:
         from transformers import PreTrainedModel
     except ImportError:
         return None
     if not isinstance(model, PreTrainedModel):
         return None
-    from paraxis_hf.stage import DecoderStage
+    from paraxis_hf.stage import HFStageCalls
 
-    return DecoderStage(model, plan, layers, first=first, last=last)
+    return HFStageCalls(getattr(model, "base_model_prefix", "model"))

@@ -13,6 +13,7 @@ __all__ = ["DEBUG_CONFIGS", "build_debug_model", "load_on_one_rank"]
 _DECODER = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
             "max_position_embeddings": 64}
+_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 DEBUG_CONFIGS: dict[str, dict[str, object]] = {
     "llama": _DECODER,
     "mistral": {**_DECODER, "sliding_window": None},
@@ -23,6 +24,16 @@ DEBUG_CONFIGS: dict[str, dict[str, object]] = {
     "mixtral": {**_DECODER, "num_local_experts": 4, "num_experts_per_tok": 2},
     # Fused qkv_proj and gate_up_proj (tensor plan: colwise_gather_output).
     "phi3": {**_DECODER, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    # Families with a quirk a pipeline stage or a tensor shard must keep: q/k norms;
+    # tied embeddings with NoPE layers; tied embeddings with biases; parallel attention
+    # and MLP with other module names; scaled embeddings, logit softcapping, sliding
+    # windows and eager attention.
+    "qwen3": {**_DECODER, "head_dim": 8},
+    "smollm3": {**_DECODER, **_TOKENS, "no_rope_layer_interval": 2},
+    "starcoder2": {**_DECODER, **_TOKENS},
+    "gpt_neox": {k: v for k, v in _DECODER.items() if k != "num_key_value_heads"},
+    "gemma2": {**_DECODER, **_TOKENS, "head_dim": 8, "sliding_window": 8,
+               "query_pre_attn_scalar": 8},
 }
 
 

@@ -1,11 +1,11 @@
-"""One pipeline stage of a transformers decoder, cut along the model's own pp plan.
+"""How a pipeline stage runs a transformers causal LM (:class:`paraxis.stages.StageCalls`).
 
-The stage keeps the model's module names (``model.embed_tokens``, ``model.layers.N``,
-``model.norm``, ``lm_head``) so the tensor-parallel plan still matches, and replays what
-the base model's forward does around the layers: rotary position embeddings over the
-whole sequence, and causal attention. The causal mask is left to SDPA (``is_causal``
-when no mask is given), so stages need ``attn_implementation="sdpa"``; no padding mask
-is supported, as packed pretraining has none.
+Core builds each stage from the model itself (other stages' layers skipped, see
+:mod:`paraxis.stages`); this module only says how to call it: the last stage calls the
+causal LM's own forward for logits, so the head, any logit softcapping or scaling stay
+the model's; the others call its base model (``base_model_prefix``) for the hidden
+states after the layers. Stages after the first pass the received hidden states as
+``inputs_embeds``, which every transformers decoder accepts in place of ids.
 """
 
 from __future__ import annotations
@@ -15,60 +15,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from paraxis.plan import ModelPlan, PlanError
+from paraxis.plan import PlanError
 
-__all__ = ["DecoderStage"]
-
-
-class _Base(nn.Module):
-    """Stands where the base model (``model.model``) stood."""
-
-    def __init__(self, embed: nn.Module | None, layers: list[nn.Module], norm: nn.Module | None,
-                 rotary: nn.Module):
-        super().__init__()
-        self.embed_tokens = embed
-        self.layers = nn.ModuleList(layers)
-        self.norm = norm
-        self.rotary_emb = rotary
+__all__ = ["HFStageCalls"]
 
 
-class DecoderStage(nn.Module):
-    def __init__(self, model: nn.Module, plan: ModelPlan, layers: tuple[int, int], *,
-                 first: bool, last: bool):
-        super().__init__()
-        prefix = plan.extra.get("base_model_prefix", "model")
-        base = getattr(model, prefix)
-        if getattr(model.config, "_attn_implementation", "sdpa") not in ("sdpa",):
-            raise PlanError(f"{type(model).__name__}: pipeline stages need "
-                            "attn_implementation='sdpa' (causal attention without a mask)")
-        rotary = getattr(base, "rotary_emb", None)
-        if rotary is None:
-            raise PlanError(f"{type(model).__name__}: no rotary_emb on the base model; "
-                            "pipeline stages support rotary decoders (Llama, Mistral, Qwen2)")
-        a, b = layers
-        self.config = model.config
-        self.layer_range = layers
-        self.sequence_shards = 1
-        setattr(self, prefix, _Base(base.embed_tokens if first else None,
-                                    list(base.layers[a:b]), base.norm if last else None,
-                                    rotary))
-        self._prefix = prefix
-        self.lm_head = model.lm_head if last else None
+class HFStageCalls:
+    def __init__(self, prefix: str):
+        self.prefix = prefix
 
-    def get_output_embeddings(self) -> nn.Module | None:
-        return self.lm_head
+    def logits(self, model: nn.Module, **kwargs: Any) -> torch.Tensor:
+        # The class's forward: the stage's own instance forward is what calls us.
+        return type(model).forward(model, **kwargs).logits
 
-    def forward(self, x: torch.Tensor, **_: Any) -> torch.Tensor:
-        base = getattr(self, self._prefix)
-        if base.embed_tokens is not None:  # token ids: the whole sequence
-            h, seq = base.embed_tokens(x), x.shape[1]
-        else:  # hidden states, split along the sequence under sequence parallelism
-            h, seq = x, x.shape[1] * self.sequence_shards
-        positions = torch.arange(seq, device=h.device).unsqueeze(0)
-        rotary = base.rotary_emb(h, position_ids=positions)
-        for layer in base.layers:
-            h = layer(h, attention_mask=None, position_ids=positions,
-                      position_embeddings=rotary)
-        if base.norm is not None:
-            h = base.norm(h)
-        return self.lm_head(h) if self.lm_head is not None else h
+    def hidden(self, model: nn.Module, **kwargs: Any) -> torch.Tensor:
+        base = getattr(model, self.prefix, None)
+        if base is None:
+            raise PlanError(f"{type(model).__name__} has no base model "
+                            f"{self.prefix!r} to run a pipeline stage's layers")
+        return base(**kwargs).last_hidden_state

@@ -1,8 +1,10 @@
-"""Core's own plugin: the strategies that need no extra package."""
+"""Core's own plugin: the strategies that need no extra package, and the plan and stage
+calls of core's ``tiny`` model (so that every axis can be tested without transformers)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from paraxis.hookspecs import hookimpl
 from paraxis.strategy import Strategy
@@ -13,3 +15,17 @@ def paraxis_register_strategies(register: Callable[[type[Strategy]], None]) -> N
     from paraxis.recompute import ActivationCheckpointing
 
     register(ActivationCheckpointing)
+
+
+@hookimpl(trylast=True)
+def paraxis_model_plan(model: Any) -> Any:
+    from paraxis.tiny import TINY_PLAN, TinyTransformer
+
+    return TINY_PLAN if isinstance(model, TinyTransformer) else None
+
+
+@hookimpl(trylast=True)
+def paraxis_stage_calls(model: Any, plan: Any) -> Any:
+    from paraxis.tiny import TinyCalls, TinyTransformer
+
+    return TinyCalls() if isinstance(model, TinyTransformer) else None

@@ -16,10 +16,22 @@ from paraxis.optim import WarmupCosine, build_adamw
 from paraxis.plan import PLANNED_AXES, ModelPlan, find_plan
 from paraxis.plugins import make_plugin_manager
 from paraxis.run_config import TrainSection
-from paraxis.strategy import apply_parallelism, resolve_strategies
+from paraxis.strategy import ApplyContext, apply_parallelism, resolve_strategies
 from paraxis.validation import ModelShape, validate
+from paraxis.verify import Probe
 
-__all__ = ["parallelize"]
+__all__ = ["build_optimizer", "parallelize"]
+
+
+def build_optimizer(model: nn.Module, ctx: ApplyContext,
+                    train: TrainSection) -> torch.optim.Optimizer:
+    """The first applied strategy's optimizer, asked in reverse phase order (a data
+    strategy that shards state answers first), else core's AdamW."""
+    for strategy in reversed(ctx.strategies):
+        optimizer = strategy.build_optimizer(model, ctx, train)
+        if optimizer is not None:
+            return optimizer
+    return build_adamw(model, lr=train.lr, weight_decay=train.weight_decay, betas=train.betas)
 
 
 def parallelize(
@@ -38,6 +50,8 @@ def parallelize(
     plan: ModelPlan | None = None,
     model_shape: ModelShape | None = None,
     plugin_manager: Any = None,
+    verify: bool = True,
+    **options: Any,
 ) -> Engine:
     """Lay ``model`` out over the grid and return an :class:`Engine` that trains it.
 
@@ -49,10 +63,13 @@ def parallelize(
     (:class:`paraxis.run_config.TrainSection`); ``optimizer`` replaces the default AdamW.
     """
     pm = plugin_manager or make_plugin_manager()
+    if config is not None and options:
+        raise TypeError(f"parallelize got both config= and options {sorted(options)}; "
+                        "put the options in the config")
     if config is None:
         config = ParallelConfig.from_kwargs(data=data, tensor=tensor, pipeline=pipeline,
                                             expert=expert, context=context, zero=zero,
-                                            microbatches=microbatches)
+                                            microbatches=microbatches, **options)
     train_cfg = train if isinstance(train, TrainSection) else TrainSection(**(train or {}))
     if model_shape is None and hasattr(model, "config"):
         model_shape = ModelShape.from_hf_config(model.config)
@@ -69,13 +86,22 @@ def parallelize(
     grid = Grid.build(config)
     device = device_for_rank()
     model.to(device)
+    probe = None
+    if verify and grid.world_size > 1:
+        vocab = model_shape.vocab_size if model_shape else getattr(
+            getattr(model, "config", None), "vocab_size", None)
+        probe = Probe.before(model, config, seq_length=train_cfg.seq_length, vocab=vocab,
+                             forward_kwargs=model_plan.extra.get("forward_kwargs", {}))
     model, ctx = apply_parallelism(model, grid=grid, config=config, plugin_manager=pm,
                                    plan=model_plan)
     if optimizer is None:
-        optimizer = build_adamw(model, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay,
-                                betas=train_cfg.betas)
+        optimizer = build_optimizer(model, ctx, train_cfg)
     scheduler = WarmupCosine(optimizer, warmup=train_cfg.warmup_steps, total=train_cfg.steps,
                              min_ratio=train_cfg.min_lr_ratio)
-    return Engine(model, grid=grid, config=config, ctx=ctx, optimizer=optimizer,
-                  scheduler=scheduler, train=train_cfg, plan=model_plan, device=device,
-                  model_shape=model_shape)
+    engine = Engine(model, grid=grid, config=config, ctx=ctx, optimizer=optimizer,
+                    scheduler=scheduler, train=train_cfg, plan=model_plan, device=device,
+                    model_shape=model_shape)
+    if probe is not None and ctx.skip_verify is None:
+        axes = " x ".join(f"{a} {d}" for a, d in config.degrees.items() if d > 1)
+        probe.check(engine, axes)
+    return engine

@@ -63,7 +63,7 @@ def _pieces(t: torch.Tensor, p: Placement) -> list[tuple[str, torch.Tensor, list
 
 
 def _owner(p: Placement, coords: dict[str, int]) -> bool:
-    return all(coords[a] == 0 for a in p.replicated)
+    return not p.mirror and all(coords[a] == 0 for a in p.replicated)
 
 
 def _local_entries(engine: Engine) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Sequence
@@ -20,6 +21,8 @@ def _load_checked(args: argparse.Namespace) -> RunConfig:
     """Load the config and check everything that can be checked without processes."""
     config = RunConfig.load(args.config, getattr(args, "overrides", ()))
     model = ModelShape.from_file(args.model) if getattr(args, "model", None) else None
+    if model is not None:  # what is split and counted is the trained length
+        model = dataclasses.replace(model, seq_length=config.train.seq_length)
     if model is None and config.model.config:
         model = ModelShape.from_hf_config({**config.model.config,
                                            "max_position_embeddings": config.train.seq_length})

@@ -96,6 +96,11 @@ class CommStats:
         return sum(self.since(mark)["bytes"].values())
 
 
+# torch 2.13 renamed the flat collectives (the old names warn); torch >= 2.6 is supported.
+_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _record(group: AxisGroup, op: str, nbytes: float, seconds: float) -> None:
     stats = getattr(group, "stats", None)
     if stats is not None:
@@ -145,7 +150,7 @@ def reduce_scatter_into(out: torch.Tensor, flat: torch.Tensor, group: AxisGroup,
         out.copy_(flat)
         return Pending(None, group, "reduce_scatter") if async_op else None
     start = time.perf_counter()
-    work = dist.reduce_scatter_tensor(out, flat, group=group.pg, async_op=async_op)
+    work = _scatter_flat(out, flat, group=group.pg, async_op=async_op)
     _record(group, "reduce_scatter", _ring(flat, group.size),
             0.0 if async_op else time.perf_counter() - start)
     return Pending(work, group, "reduce_scatter") if async_op else None
@@ -158,7 +163,7 @@ def all_gather_into(out: torch.Tensor, part: torch.Tensor, group: AxisGroup, *,
         out.copy_(part)
         return Pending(None, group, "all_gather") if async_op else None
     start = time.perf_counter()
-    work = dist.all_gather_into_tensor(out, part, group=group.pg, async_op=async_op)
+    work = _gather_flat(out, part, group=group.pg, async_op=async_op)
     _record(group, "all_gather", _ring(out, group.size),
             0.0 if async_op else time.perf_counter() - start)
     return Pending(work, group, "all_gather") if async_op else None

@@ -5,10 +5,12 @@ gradient accumulation (synchronizing only on the last microbatch), the loss, glo
 gradient-norm clipping, the optimizer and LR-schedule step, and returns metrics that
 are identical on every rank.
 
-The loss is the mean next-token cross-entropy over every non-ignored label of the
+The loss is the mean next-token cross-entropy over every non-ignored target of the
 *global* batch: each rank divides its summed loss by the global token count (one scalar
-all-reduce per step), so ranks with different numbers of ``-100`` labels still average
-exactly as a single process would.
+all-reduce per step, counted after the batch transforms, so an axis that splits the
+sequence does not multiply it), so ranks with different numbers of ``-100`` labels
+still average exactly as a single process would. Auxiliary losses (paraxis.batch)
+are added to what is back-propagated and reported apart.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import contextlib
 import gc
 import math
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -25,6 +26,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from paraxis.batch import IGNORE_INDEX, Batch
+from paraxis.collectives import all_reduce_
 from paraxis.config import ParallelConfig
 from paraxis.grid import DENSE_REPLICA_AXES, Grid
 from paraxis.metrics import Tracer, flops_per_token, memory_stats, mfu
@@ -37,24 +40,15 @@ from paraxis.validation import ModelShape
 
 __all__ = ["IGNORE_INDEX", "Engine", "causal_lm_loss_sum"]
 
-IGNORE_INDEX = -100
 
-
-def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Summed shifted cross-entropy (position i predicts label i + 1, ``-100`` ignored)
-    and the number of tokens it covers. Sum / count equals transformers' ``labels=`` loss."""
-    shift_logits = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
-    shift_labels = labels[:, 1:].reshape(-1).to(shift_logits.device)
-    loss = F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX,
-                           reduction="sum")
-    return loss, int((shift_labels != IGNORE_INDEX).sum())
-
-
-def _split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    if isinstance(batch, Mapping):
-        ids = batch["input_ids"]
-        return ids, batch.get("labels", ids)
-    return batch, batch
+def causal_lm_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Summed cross-entropy of ``logits`` against already-shifted ``targets`` (``-100``
+    ignored) and the number of tokens it covers. With ``targets = shift_labels(labels)``
+    sum / count equals transformers' ``labels=`` loss."""
+    flat_targets = targets.reshape(-1).to(logits.device)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), flat_targets,
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss, int((flat_targets != IGNORE_INDEX).sum())
 
 
 class Engine:
@@ -79,103 +73,134 @@ class Engine:
         self.forward_kwargs = dict(plan.extra.get("forward_kwargs", {}))
         self.loss_fn = ctx.loss_fn or causal_lm_loss_sum
         self._flops_per_token = self._model_flops()
+        self._fp32_only = False  # the parity probe compares fp32 with fp32
 
     # ---- steps -----------------------------------------------------------------------
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if not self.train_cfg.bf16:
+        if not self.train_cfg.bf16 or self._fp32_only:
             return contextlib.nullcontext()
         # Parameters stay fp32 (the master weights); matmuls run in bf16.
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
-    def _logits(self, ids: torch.Tensor) -> torch.Tensor:
+    def _logits(self, batch: Batch) -> torch.Tensor:
         with self._autocast():
-            out = self.model(ids.to(self.device), **self.forward_kwargs)
+            out = self.model(batch.input_ids, **batch.model_kwargs(), **self.forward_kwargs)
         return out.logits if hasattr(out, "logits") else out
 
-    def _global_tokens(self, labels: torch.Tensor) -> torch.Tensor:
-        count = (labels[:, 1:] != IGNORE_INDEX).sum().to(self.device, torch.float64)
-        if self.replicas.size > 1:
-            with self.tracer.span("token_count", "comm"):
-                dist.all_reduce(count, group=self.replicas.pg)
-        return count
+    def _prepare(self, batch: Any) -> tuple[Batch, torch.Tensor]:
+        """This rank's Batch after every axis' transform, and the global token count."""
+        batch = Batch.from_user(batch)
+        for transform in self.ctx.batch_transforms:
+            batch = transform(batch)
+        batch = batch.to(self.device)
+        count = batch.tokens().to(torch.float64)
+        with self.tracer.span("token_count", "comm"):
+            all_reduce_(count, self.replicas)
+        return batch, count
 
     def train_step(self, batch: Any) -> dict[str, float]:
         """One optimizer step on this rank's share of a global batch."""
-        ids, labels = _split_batch(batch)
-        mbs = self.config.schedule.microbatches
-        if ids.shape[0] % mbs:
-            raise ValueError(f"local batch of {ids.shape[0]} does not split into {mbs} "
-                             "microbatches (schedule.microbatches)")
         self.model.train()
         if len(self.tracer.spans) > 20_000:
             self.tracer.clear()
-        mark, start = len(self.tracer.spans), time.perf_counter()
-        tokens = self._global_tokens(labels)
+        mark, comm_mark, start = len(self.tracer.spans), self.grid.comm.mark(), time.perf_counter()
+        batch, tokens = self._prepare(batch)
+        microbatches = batch.chunk(self.config.schedule.microbatches)
         # Gradients are averaged over the replicas; scaling by their number makes the
-        # average a sum over all tokens divided by the global count.
+        # average a sum over all tokens divided by the global count. Auxiliary parts
+        # are already normalized; they are averaged over microbatches.
         scale = self.replicas.size / tokens.clamp(min=1)
-        microbatches = list(zip(ids.chunk(mbs), labels.chunk(mbs), strict=True))
+        aux_scale = self.replicas.size / len(microbatches)
+        self.ctx.aux_losses.reset_totals()
         if self.ctx.forward_backward is not None:  # a pipeline runs its own schedule
             with self.ctx.no_sync(), self.tracer.span("pipeline_schedule"):
-                total = self.ctx.forward_backward(microbatches, self.loss_fn, scale, True)
+                total = self.ctx.forward_backward(microbatches, self.loss_fn, scale, True,
+                                                  aux_scale=aux_scale)
         else:
-            total = self._forward_backward(microbatches, scale)
+            total = self._forward_backward(microbatches, scale, aux_scale)
         self.tracer.add("grad_sync_wait", "comm", self.ctx.finish_grad_sync())
         with self.tracer.span("clip_grad_norm"):
-            norm = clip_grad_norm(self.params, self.train_cfg.grad_clip, self.grid)
+            clip = getattr(self.optimizer, "clip_grad_norm", None)
+            norm = (clip(self.train_cfg.grad_clip) if clip is not None else
+                    clip_grad_norm(self.params, self.train_cfg.grad_clip, self.grid))
         with self.tracer.span("optimizer"):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             lr = self.optimizer.param_groups[0]["lr"]
             if self.scheduler is not None:
                 self.scheduler.step()
+        extra: dict[str, float] = {}
+        for hook in self.ctx.step_hooks:
+            extra.update(hook() or {})
         step_time = time.perf_counter() - start
         self.step += 1
-        loss_sum, fastest, slowest = self._reduce_step(total, step_time)
-        return self._metrics(loss_sum / tokens.clamp(min=1).item(), norm, lr,
-                             (fastest, slowest), ids.numel() * self.replicas.size, mark)
+        sums, fastest, slowest = self._reduce_step(total, step_time)
+        out = self._metrics(sums[0] / tokens.clamp(min=1).item(), norm, lr, (fastest, slowest),
+                            batch.input_ids.numel() * self.replicas.size, mark, comm_mark)
+        out.update(zip(self.ctx.aux_losses.names, sums[1:], strict=True))
+        out.update(extra)
+        return out
 
-    def _reduce_step(self, total: torch.Tensor, step_time: float) -> tuple[float, float, float]:
-        """One all-gather over the grid for the step's loss and the ranks' step times.
+    def _reduce_step(self, total: torch.Tensor, step_time: float,
+                     ) -> tuple[list[float], float, float]:
+        """One all-gather over the grid for the step's loss and auxiliary-loss sums and
+        the ranks' step times.
 
-        The global loss sum is the sum over ranks with tensor coordinate 0 (tensor ranks
-        hold the same sum; stages other than the last hold zero); step time is the
+        A global sum is the sum over ranks with tensor coordinate 0 (tensor ranks hold
+        the same sums; stages other than the last hold a zero loss); step time is the
         slowest rank's, and their spread shows stragglers."""
-        mine = torch.tensor([float(total), step_time], dtype=torch.float64, device=self.device)
+        aux = self.ctx.aux_losses
+        mbs = self.config.schedule.microbatches
+        mine = torch.tensor([float(total), *(aux.totals.get(n, 0.0) / mbs for n in aux.names),
+                             step_time], dtype=torch.float64, device=self.device)
         if self.grid.world_size == 1:
-            return float(total), step_time, step_time
-        every = [torch.empty_like(mine) for _ in range(self.grid.world_size)]
+            return mine[:-1].tolist(), step_time, step_time
+        every = torch.empty((self.grid.world_size, mine.numel()), dtype=mine.dtype,
+                            device=mine.device)
         with self.tracer.span("metrics_gather", "comm"):
-            dist.all_gather(every, mine)
-        loss_sum = sum(float(every[r][0]) for r in self._loss_ranks)
-        times = [float(v[1]) for v in every]
-        return loss_sum, min(times), max(times)
+            # Through core's collective, so its bytes and blocked time are counted too.
+            from paraxis.collectives import all_gather_into
 
-    def _forward_backward(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]],
-                          scale: torch.Tensor) -> torch.Tensor:
+            all_gather_into(every.view(-1), mine, self.grid.world)
+        sums = every[self._loss_ranks, :-1].sum(dim=0).tolist()
+        times = every[:, -1].tolist()
+        return sums, min(times), max(times)
+
+    def _forward_backward(self, microbatches: list[Batch], scale: torch.Tensor,
+                          aux_scale: float) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for i, (mb_ids, mb_labels) in enumerate(microbatches):
+        for i, mb in enumerate(microbatches):
             last = i == len(microbatches) - 1
             with contextlib.nullcontext() if last else self.ctx.no_sync():
                 with self.tracer.span("forward"):
-                    loss_sum, _ = self.loss_fn(self._logits(mb_ids), mb_labels)
+                    loss_sum, _ = self.loss_fn(self._logits(mb), mb.targets)
+                    objective = self.ctx.aux_losses.objective(
+                        loss_sum * scale.to(loss_sum.dtype), aux_scale)
                 with self.tracer.span("backward"):
-                    (loss_sum * scale.to(loss_sum.dtype)).backward()
+                    objective.backward()
             total += loss_sum.detach().double()
         return total
 
     @torch.no_grad()
     def eval_step(self, batch: Any) -> float:
         """Mean loss over this global batch's non-ignored tokens (no parameter update)."""
-        ids, labels = _split_batch(batch)
         self.model.eval()
-        tokens = self._global_tokens(labels)
+        batch, tokens = self._prepare(batch)
         if self.ctx.forward_backward is not None:
-            loss_sum = self.ctx.forward_backward([(ids, labels)], self.loss_fn, None, False)
+            loss_sum = self.ctx.forward_backward([batch], self.loss_fn, None, False)
         else:
-            loss_sum, _ = self.loss_fn(self._logits(ids), labels)
-        return self._reduce_step(loss_sum, 0.0)[0] / tokens.clamp(min=1).item()
+            loss_sum, _ = self.loss_fn(self._logits(batch), batch.targets)
+        self.ctx.aux_losses.pop()  # evaluation reports the language-model loss only
+        return self._reduce_step(loss_sum, 0.0)[0][0] / tokens.clamp(min=1).item()
+
+    def probe_loss(self, ids: torch.Tensor) -> float:
+        """:meth:`eval_step` in fp32 whatever the training precision (the parity probe)."""
+        self._fp32_only = True
+        try:
+            return self.eval_step(ids)
+        finally:
+            self._fp32_only = False
 
     # ---- metrics ---------------------------------------------------------------------
 
@@ -192,8 +217,9 @@ class Engine:
                                shape.seq_length or 0)
 
     def _metrics(self, loss: float, norm: float, lr: float, times: tuple[float, float],
-                 tokens: int, mark: int) -> dict[str, float]:
+                 tokens: int, mark: int, comm_mark: Any) -> dict[str, float]:
         fastest, slowest = times
+        comm = self.grid.comm
         out = {
             "step": float(self.step),
             "loss": float(loss),
@@ -201,9 +227,14 @@ class Engine:
             "lr": float(lr),
             "step_time_s": slowest,
             "tokens_per_s": tokens / slowest,
-            "exposed_comm_s": self.tracer.comm_seconds(mark),
+            # Seconds this rank's training thread sat blocked in core's collectives
+            # (communication overlapped with compute costs nothing and is not counted).
+            "exposed_comm_s": comm.total_seconds(comm_mark),
             "straggler_spread_s": slowest - fastest,
+            "comm_bytes": comm.total_bytes(comm_mark),
         }
+        for axes, n in sorted(comm.bytes_by_axis(comm_mark).items()):
+            out[f"comm/{axes}_bytes"] = n
         peak = self.train_cfg.peak_flops
         if peak and self._flops_per_token:
             out["mfu"] = mfu(out["tokens_per_s"], self._flops_per_token, peak,

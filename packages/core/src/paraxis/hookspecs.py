@@ -96,18 +96,15 @@ def paraxis_log_end(summary: dict[str, float]) -> None:
 
 
 @hookspec(firstresult=True)
-def paraxis_pipeline_stage(model: Any, plan: Any, layers: tuple[int, int], first: bool,
-                           last: bool) -> Any:
-    """Return one pipeline stage of ``model`` holding layers ``[layers[0], layers[1])``,
-    plus the embedding if ``first`` and the final norm and output head if ``last``, or
-    None if this plugin does not know the model.
+def paraxis_stage_calls(model: Any, plan: Any) -> Any:
+    """Return how to run ``model`` as a pipeline stage (a :class:`paraxis.stages.StageCalls`:
+    ``logits(model, **kwargs)`` and ``hidden(model, **kwargs)``, taking ``input_ids`` or
+    ``inputs_embeds``), or None if this plugin does not know the model.
 
-    Called by the pipeline strategy (paraxis-pp-schedules) once per local stage. The
-    stage's ``forward(x)`` takes token ids (first stage) or hidden states and returns
-    hidden states, or logits on the last stage. It keeps the model's module names
-    (``model.layers.N``...) so other axes' plans still match, exposes ``config`` and
-    ``get_output_embeddings()``, and an integer ``sequence_shards`` (1 unless sequence
-    parallelism splits its activations). firstresult.
+    Called by the pipeline strategy once per run. Core builds every stage from it: the
+    model itself with other stages' layers skipped (:mod:`paraxis.stages`), so a stage
+    runs the model's own forward. Core answers for its ``tiny`` model, paraxis-hf for
+    transformers causal LMs. firstresult.
     """
 
 

@@ -10,9 +10,9 @@ import math
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from paraxis.collectives import all_reduce_
 from paraxis.grid import Grid
 from paraxis.placement import placement_of
 
@@ -82,16 +82,16 @@ def grad_norm(params: Iterable[nn.Parameter], grid: Grid) -> torch.Tensor:
     """
     by_copies: dict[int, list[torch.Tensor]] = {}
     for p in params:
-        if p.grad is not None:
-            copies = math.prod(grid.size(a) for a in placement_of(p).replicated)
+        rec = placement_of(p)
+        if p.grad is not None and not rec.mirror:
+            copies = math.prod(grid.size(a) for a in rec.replicated)
             by_copies.setdefault(copies, []).append(p.grad)
     device = next((g[0].device for g in by_copies.values()), torch.device("cpu"))
     local = torch.zeros((), dtype=torch.float64, device=device)  # NCCL needs it on device
     for copies, grads in by_copies.items():
         # One fused kernel per group (torch's clip_grad_norm_ machinery).
         local += torch.nn.utils.get_total_norm(grads).double() ** 2 / copies
-    if grid.world_size > 1:
-        dist.all_reduce(local)
+    all_reduce_(local, grid.world)
     return local.sqrt()
 
 

@@ -57,6 +57,16 @@ class Placement:
     replicated: tuple[str, ...] = ()
     # Pipeline stage that owns the parameter (None: the model is not split).
     stage: int | None = None
+    # A word embedding tied to the head, held by the first and the last pipeline stage
+    # and kept identical by summing its gradient over the two (an axis that replaces
+    # the parameter keeps the flag in the shard's record). On the last stage the copy
+    # is a ``mirror``: resident, but neither saved nor counted in the gradient norm.
+    tied: bool = False
+    mirror: bool = False
+    # Axes over which this rank's gradient is only a partial sum (a norm that sees one
+    # tensor rank's tokens under sequence parallelism); that axis' synchronizer sums
+    # it after data-parallel averaging (paraxis.strategy.SyncOrder).
+    partial: tuple[str, ...] = ()
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -86,6 +96,9 @@ class Placement:
         return replace(self, shards=(*self.shards,
                                      Shard(dim, axis, offset, length, parts, padding)),
                        replicated=tuple(a for a in self.replicated if a != axis))
+
+    def with_partial(self, axis: str) -> Placement:
+        return replace(self, partial=(*self.partial, axis))
 
 
 def set_placement(param: torch.Tensor, placement: Placement) -> None:

@@ -10,37 +10,45 @@
 * ``none``: nothing.
 
 The layers are the plan's layer list (the ModuleList of the pipeline plan), else the
-model's longest ModuleList. Recomputation replays every RNG stream an axis registered
-(the tensor-parallel dropout stream included) from its state at the forward, so dropout
-masks match; torch's checkpoint replays the default generator itself.
+model's longest ModuleList; on a pipeline stage only the layers it runs (each chunk's,
+under an interleaved schedule), never the stand-ins for other stages' layers.
+Recomputation replays every RNG stream an axis registered (the tensor-parallel dropout
+stream included) from its state at the forward, so dropout masks match; torch's
+checkpoint replays the default generator itself.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from paraxis.plan import ModelPlan, PlanError
+from paraxis.stages import PipelineChunks, chunks_of, owned_layers
 from paraxis.strategy import ApplyContext, Phase, Strategy
 
 __all__ = ["ActivationCheckpointing", "layer_list"]
 
 
-def layer_list(model: nn.Module, plan: ModelPlan | None) -> nn.ModuleList:
+def layer_list(model: nn.Module, plan: ModelPlan | None) -> list[nn.Module]:
+    """The layers of ``model`` (one stage, or the whole model) that it runs itself."""
     if plan is not None:
         for name in plan.pipeline:
-            module = model.get_submodule(name)
+            try:
+                module = model.get_submodule(name)
+            except AttributeError:
+                continue
             if isinstance(module, nn.ModuleList):
-                return module
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+                return owned_layers(module)
+    lists = [m for m in model.modules()
+             if isinstance(m, nn.ModuleList) and not isinstance(m, PipelineChunks)]
     if not lists:
         raise PlanError(f"{type(model).__name__}: no layer list to checkpoint")
-    return max(lists, key=len)
+    return owned_layers(max(lists, key=len))
 
 
 def _attention_of(layer: nn.Module) -> nn.Module:
@@ -51,26 +59,34 @@ def _attention_of(layer: nn.Module) -> nn.Module:
                     "*attention) for selective recomputation; use full")
 
 
+class _Replay:
+    """Puts every stream back to its state at the forward while a recomputation runs.
+    A class, not a generator: a split backward (zero-bubble schedules) may recompute the
+    same checkpoint twice, once for input gradients and once for weight gradients."""
+
+    def __init__(self, streams: dict[str, Any], at_forward: dict[str, Any]):
+        self.streams, self.at_forward = streams, at_forward
+        self.saved: list[dict[str, Any]] = []
+
+    def __enter__(self) -> None:
+        self.saved.append({n: s.get_state() for n, s in self.streams.items()})
+        for n, s in self.streams.items():
+            s.set_state(self.at_forward[n])
+
+    def __exit__(self, *exc: object) -> None:
+        for n, state in self.saved.pop().items():
+            self.streams[n].set_state(state)
+
+
 def _wrap(module: nn.Module, streams: dict[str, Any]) -> None:
     forward = module.forward
 
     @functools.wraps(forward)
     def recomputed(*args: Any, **kwargs: Any) -> Any:
-        at_forward = {n: s.get_state() for n, s in streams.items()}
-
-        @contextlib.contextmanager
-        def replay() -> Iterator[None]:
-            now = {n: s.get_state() for n, s in streams.items()}
-            for n, s in streams.items():
-                s.set_state(at_forward[n])
-            try:
-                yield
-            finally:
-                for n, s in streams.items():
-                    s.set_state(now[n])
+        replay = _Replay(streams, {n: s.get_state() for n, s in streams.items()})
 
         def contexts() -> tuple[Any, Any]:
-            return contextlib.nullcontext(), replay()
+            return contextlib.nullcontext(), replay
 
         return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
@@ -86,6 +102,7 @@ class ActivationCheckpointing(Strategy):
         plan = ctx.plan if isinstance(ctx.plan, ModelPlan) else None
         pick: Callable[[nn.Module], nn.Module] = (
             _attention_of if mode == "selective" else (lambda layer: layer))
-        for layer in layer_list(model, plan):
-            _wrap(pick(layer), ctx.rng_streams)
+        for chunk in chunks_of(model):
+            for layer in layer_list(chunk, plan):
+                _wrap(pick(layer), ctx.rng_streams)
         return model

@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+import torch
 from torch import nn
 
+from paraxis.batch import AuxLosses, Batch
 from paraxis.errors import MissingAxisPackageError, Problem
 
 if TYPE_CHECKING:
@@ -32,7 +34,9 @@ __all__ = [
     "ApplyContext",
     "GradientSync",
     "Phase",
+    "PipelineLayout",
     "Strategy",
+    "SyncOrder",
     "apply_parallelism",
     "apply_strategies",
     "missing_axes",
@@ -60,9 +64,25 @@ PACKAGE_FOR_AXIS: dict[str, str] = {
 }
 
 
+class SyncOrder(IntEnum):
+    """When a gradient synchronizer finishes, relative to the others (the contract of
+    Megatron-Core's ``finalize_model_grads``): data-parallel reductions, which may still
+    be in flight from backward hooks, complete first; then partial sums over the tensor
+    axis (norms under sequence parallelism) rewrite the reduced gradients; then the
+    gradient of an embedding tied across pipeline stages is summed over its stages.
+    Every reduction is linear, so this order changes no value; it exists so that no
+    synchronizer touches a gradient another still has in flight."""
+
+    DATA = 10
+    PARTIAL = 20
+    TIED = 30
+
+
 class GradientSync(Protocol):
-    """What a data strategy hands the engine: gradients are reduced between backward
-    and the optimizer step."""
+    """What a strategy hands the engine: gradients are reduced between backward and the
+    optimizer step. ``order`` (a :class:`SyncOrder`) places it among the others."""
+
+    order: int
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Within it, backward accumulates locally (non-final microbatches)."""
@@ -73,47 +93,115 @@ class GradientSync(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class PipelineLayout:
+    """What a pipeline split declares for the axes applied after it (``ctx.pipeline``).
+
+    ``stages`` are the global stage indices this rank holds (one per model chunk, in
+    chunk order); ``ranges`` the layer range ``[a, b)`` of every global stage."""
+
+    stages: tuple[int, ...]
+    ranges: tuple[tuple[int, int], ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.ranges)
+
+    @property
+    def holds_first_layer(self) -> bool:
+        return 0 in self.stages
+
+    @property
+    def holds_last_layer(self) -> bool:
+        return self.num_stages - 1 in self.stages
+
+    def layers_of(self, chunk: int) -> range:
+        """Indices (in the model's whole layer list) of the layers chunk ``chunk`` runs."""
+        return range(*self.ranges[self.stages[chunk]])
+
+
 @dataclass
 class ApplyContext:
-    """What strategies read and leave behind while a model is parallelized."""
+    """What strategies read and leave behind while a model is parallelized.
+
+    Every field one axis sets for another is declared here (no axis reads another's
+    ``extras``, which exist for tests, benchmarks and metrics only).
+    """
 
     grid: Grid
     config: ParallelConfig
     plan: object | None = None
+    plugin_manager: Any = None
+    # The strategy instances applied, in phase order.
+    strategies: list[Strategy] = field(default_factory=list)
+    # Finished by the engine in SyncOrder, stable within one order.
     grad_syncs: list[GradientSync] = field(default_factory=list)
-    # (logits, labels) -> (summed loss, token count); an axis that leaves logits sharded
-    # (vocab-parallel cross-entropy) replaces it.
+    # (logits, targets) -> (summed loss, token count), targets already shifted; an axis
+    # that leaves logits sharded (vocab-parallel cross-entropy) replaces it.
     loss_fn: Callable[..., tuple[Any, int]] | None = None
     # Extra per-rank RNG streams (name -> object with get_state() / set_state(tensor)),
     # saved in checkpoints beside torch's default one.
     rng_streams: dict[str, Any] = field(default_factory=dict)
-    # Anything an axis wants to expose to tests, benchmarks and metrics, by axis name.
-    extras: dict[str, Any] = field(default_factory=dict)
+    # The pipeline split (SPLIT phase) of this rank; None without a pipeline.
+    pipeline: PipelineLayout | None = None
     # The pipeline's runner: (microbatches, loss_fn, scale, train) -> summed loss; None
     # runs microbatches one after another in this process.
     forward_backward: Callable[..., Any] | None = None
-    plugin_manager: Any = None
+    # How many ways the activations passed between pipeline stages are split along the
+    # sequence after the batch transforms (tensor x sequence parallel sets it).
+    activation_sequence_shards: int = 1
+    # Per-step transforms of this rank's Batch, applied in order before microbatching
+    # (context parallel cuts the sequence here).
+    batch_transforms: list[Callable[[Batch], Batch]] = field(default_factory=list)
+    # Losses besides next-token cross-entropy (router losses), see paraxis.batch.
+    aux_losses: AuxLosses = field(default_factory=AuxLosses)
+    # Called on every rank after each optimizer step (collective where they need);
+    # each returns metrics to merge into the step's (the same on every rank) or None.
+    step_hooks: list[Callable[[], dict[str, float] | None]] = field(default_factory=list)
+    # Why the parity probe of parallelize (paraxis.verify) cannot apply, if an axis's
+    # arithmetic legitimately differs from one process (expert capacity drops tokens).
+    skip_verify: str | None = None
+    # Anything an axis wants to expose to tests, benchmarks and metrics, by axis name.
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def ordered_syncs(self) -> list[GradientSync]:
+        return sorted(self.grad_syncs, key=lambda s: getattr(s, "order", SyncOrder.DATA))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
-            for sync in self.grad_syncs:
+            for sync in self.ordered_syncs():
                 stack.enter_context(sync.no_sync())
             yield
 
     def finish_grad_sync(self) -> float:
-        return sum(sync.finish() for sync in self.grad_syncs)
+        """Finish every synchronizer in :class:`SyncOrder`; seconds blocked."""
+        return sum(sync.finish() for sync in self.ordered_syncs())
 
 
 class Strategy:
     """One parallel axis' transformation of a model. Subclasses set ``axis`` and
-    ``phase`` and implement :meth:`apply`."""
+    ``phase`` and implement :meth:`apply`; a strategy that shards optimizer state also
+    implements :meth:`build_optimizer`."""
 
     axis: ClassVar[str]
     phase: ClassVar[Phase]
 
     def apply(self, model: nn.Module, ctx: ApplyContext) -> nn.Module:
         raise NotImplementedError
+
+    def build_optimizer(self, model: nn.Module, ctx: ApplyContext,
+                        train: Any) -> torch.optim.Optimizer | None:
+        """The optimizer for ``model``, or None to leave it to another strategy or to
+        core's AdamW. Called by ``parallelize`` after every axis applied, on the applied
+        strategies in reverse phase order (data first); the first answer wins.
+
+        ``train`` is the :class:`paraxis.run_config.TrainSection`. An optimizer that
+        owns gradient shards also implements ``clip_grad_norm(max_norm) -> float`` (the
+        global norm before clipping), which the engine then calls instead of its own;
+        its parameters (the tensors whose state it keeps) carry placement records, so
+        checkpoints store that state where it lives."""
+        return None
 
 
 def required_axes(config: ParallelConfig) -> list[str]:
@@ -162,7 +250,9 @@ def resolve_strategies(config: ParallelConfig, pm: pluggy.PluginManager) -> list
 def apply_strategies(model: nn.Module, ctx: ApplyContext,
                      strategies: list[type[Strategy]]) -> nn.Module:
     for cls in sorted(strategies, key=lambda c: (c.phase, c.axis)):
-        model = cls().apply(model, ctx)
+        strategy = cls()
+        model = strategy.apply(model, ctx)
+        ctx.strategies.append(strategy)
     return model
 
 

@@ -155,10 +155,10 @@ def train(cfg: RunConfig, history: list[dict[str, float]] | None = None) -> dict
 def _log_pipeline_timeline(engine: Engine, cfg: RunConfig, pm: Any, logging: bool) -> None:
     """The last step's measured pipeline timeline, as SVG: written beside the traces (or
     the checkpoints) and handed to the logging plugins. Collective over the pipeline."""
-    pipeline = engine.ctx.extras.get("pipeline")
-    if pipeline is None or not hasattr(pipeline.runner, "measured_svg"):
+    runner = engine.ctx.forward_backward
+    if not hasattr(runner, "measured_svg"):
         return
-    svg, summary = pipeline.runner.measured_svg()
+    svg, summary = runner.measured_svg()
     if not logging:
         return
     where = cfg.train.trace_dir or cfg.train.checkpoint_dir

@@ -18,7 +18,7 @@ import yaml
 from paraxis.config import ParallelConfig
 from paraxis.errors import ConfigError, Problem
 
-__all__ = ["ModelShape", "check", "validate"]
+__all__ = ["ModelShape", "check", "divides", "divisors", "read_model_config", "validate"]
 
 
 @dataclass(frozen=True)
@@ -63,118 +63,75 @@ class ModelShape:
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelShape:
-        """Load a model config from JSON (``config.json``) or YAML (a ``model:`` section
-        or the fields themselves)."""
-        text = Path(path).read_text()
-        data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
-        if isinstance(data, dict) and isinstance(data.get("model"), dict):
-            data = data["model"]
-        return cls.from_hf_config(data)
+        """Load a model's shape from a Hugging Face model directory (its ``config.json``),
+        a ``config.json`` itself, or YAML (a ``model:`` section with ``config:``, or the
+        fields themselves). Anything else is a :class:`ConfigError` saying what was
+        expected, never a raw OS error."""
+        data = read_model_config(path)
+        shape = cls.from_hf_config(data)
+        missing = [f for f in ("hidden_size", "num_attention_heads", "num_layers", "vocab_size")
+                   if getattr(shape, f) is None]
+        if missing:
+            raise ConfigError([Problem(
+                "--model", str(path), f"has no {', '.join(missing)} (read as a model config)",
+                "pass a Hugging Face model directory or its config.json")])
+        return shape
 
 
-def _divides(problems: list[Problem], field: str, value: int | None, degree: int,
-             axis: str) -> None:
+def read_model_config(path: str | Path) -> dict[str, Any]:
+    """The model config mapping in ``path`` (see :meth:`ModelShape.from_file`)."""
+    where = Path(path)
+    expected = "a model directory holding config.json, a config.json, or a YAML run config"
+    if where.is_dir():
+        where = where / "config.json"
+        if not where.is_file():
+            raise ConfigError([Problem("--model", str(path), "is a directory without "
+                                       "config.json", f"pass {expected}")])
+    try:
+        text = where.read_text()
+        data = json.loads(text) if where.suffix == ".json" else yaml.safe_load(text)
+    except FileNotFoundError:
+        raise ConfigError([Problem("--model", str(path), "does not exist",
+                                   f"pass {expected}")]) from None
+    except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as exc:
+        raise ConfigError([Problem("--model", str(path), f"cannot be read as a model "
+                                   f"config ({type(exc).__name__})", f"pass {expected}")]
+                          ) from None
+    if isinstance(data, dict) and isinstance(data.get("model"), dict):
+        data = data["model"]
+        data = {**data.get("config", {}), **({"model_type": data["family"]}
+                                             if "family" in data else {})}
+    if not isinstance(data, dict):
+        raise ConfigError([Problem("--model", str(path), "does not hold a mapping",
+                                   f"pass {expected}")])
+    return data
+
+
+def divides(problems: list[Problem], field: str, value: int | None, degree: int,
+            axis: str) -> None:
+    """Append a problem unless ``value`` is divisible by ``degree`` (the rule every axis
+    that splits a dimension shares)."""
     if value is not None and degree > 1 and value % degree:
         problems.append(Problem(
             field, value, f"must be divisible by the {axis} degree {degree}",
-            f"choose {axis} among {_divisors(value)} or change {field}"))
+            f"choose {axis} among {divisors(value)} or change {field}"))
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, min(n, 64) + 1) if n % d == 0]
 
 
 def check(config: ParallelConfig, *, world_size: int | None = None,
           model: ModelShape | None = None) -> list[Problem]:
-    """Every rule the configuration (and, if given, the model) breaks."""
-    par, sched = config.parallelism, config.schedule
+    """Every grid-wide rule the configuration breaks. Each axis checks its own rules
+    (divisibility of what it splits, the combinations it supports) in its package,
+    through the ``paraxis_validate_config`` hook, so they travel with the axis."""
     problems: list[Problem] = []
     if world_size is not None and world_size != config.world_size:
         degrees = " x ".join(f"{a}={d}" for a, d in config.degrees.items())
         problems.append(Problem(
             "world_size", world_size, f"must equal the product of degrees {degrees} = "
             f"{config.world_size}", "launch that many processes or change the degrees"))
-    if par.pipeline > 1 and sched.microbatches < par.pipeline:
-        problems.append(Problem(
-            "schedule.microbatches", sched.microbatches,
-            f"must be at least the pipeline degree {par.pipeline} or stages sit idle",
-            f"set schedule.microbatches >= {par.pipeline}"))
-    v = sched.virtual_stages
-    if (v > 1) != (sched.pipeline_schedule == "interleaved_1f1b"):
-        problems.append(Problem(
-            "schedule.virtual_stages", v, "more than one model chunk per rank goes with "
-            "the interleaved_1f1b schedule, and only with it",
-            "set pipeline_schedule: interleaved_1f1b with virtual_stages > 1, or "
-            "virtual_stages: 1"))
-    if sched.pipeline_schedule == "interleaved_1f1b" and sched.microbatches % par.pipeline:
-        problems.append(Problem(
-            "schedule.microbatches", sched.microbatches, "interleaved 1F1B works on groups "
-            f"of pipeline-degree ({par.pipeline}) microbatches",
-            f"use a multiple of {par.pipeline}"))
-    if v > 1 and par.tensor > 1:
-        problems.append(Problem(
-            "schedule.virtual_stages", v, "interleaved chunks are not supported with "
-            "tensor parallelism yet", "use virtual_stages: 1 (1f1b) with tensor > 1"))
-    if par.sequence_parallel and par.tensor == 1:
-        problems.append(Problem(
-            "parallelism.sequence_parallel", True, "shards activations over the tensor axis, "
-            "which has degree 1", "set parallelism.tensor > 1 or sequence_parallel: false"))
-    if par.zero >= 2 and par.pipeline > 1:
-        # Sharded gradients are reduced once per step, but a pipeline produces them one
-        # microbatch at a time; Megatron and DeepSpeed reject the pair for the same reason.
-        problems.append(Problem(
-            "parallelism.zero", par.zero, "ZeRO-2/3 is not supported with pipeline > 1",
-            "use zero: 1 with pipeline parallelism"))
-    if model is not None:
-        problems += _check_model(config, model)
-    return problems
-
-
-def _check_model(config: ParallelConfig, model: ModelShape) -> list[Problem]:
-    par = config.parallelism
-    problems: list[Problem] = []
-    t = par.tensor
-    _divides(problems, "model.hidden_size", model.hidden_size, t, "tensor")
-    _divides(problems, "model.num_attention_heads", model.num_attention_heads, t, "tensor")
-    _divides(problems, "model.intermediate_size", model.intermediate_size, t, "tensor")
-    if t > 1 and model.kv_heads % t:
-        # Replicating kv heads over tensor ranks would make their gradients partial sums
-        # over sub-groups of the tensor group; paraxis rejects it instead (documented).
-        problems.append(Problem(
-            "model.num_key_value_heads", model.kv_heads,
-            f"must be divisible by the tensor degree {t} (kv heads are split, never "
-            "replicated)", f"choose tensor among {_divisors(model.kv_heads)}"))
-    if t > 1 and model.vocab_size < t:
-        problems.append(Problem(
-            "model.vocab_size", model.vocab_size,
-            f"must be at least the tensor degree {t} (it is padded to a multiple of it)",
-            "lower parallelism.tensor"))
-    stages = par.pipeline * config.schedule.virtual_stages
-    if stages > model.num_layers:
-        problems.append(Problem(
-            "parallelism.pipeline", par.pipeline,
-            f"each of the {stages} stages needs at least one of the {model.num_layers} "
-            "layers", f"set pipeline x virtual_stages <= {model.num_layers}"))
-    split = config.schedule.pipeline_split
-    if split is not None and par.pipeline > 1 and (
-            len(split) != stages - 1 or sorted(set(split)) != split
-            or split[0] <= 0 or split[-1] >= model.num_layers):
-        problems.append(Problem(
-            "schedule.pipeline_split", split,
-            f"needs {stages - 1} increasing layer indices in (0, {model.num_layers}), one "
-            "per stage boundary, so every layer lands on exactly one stage",
-            "list the first layer of every stage after the first, or drop it to balance"))
-    if par.expert > 1:
-        if model.num_experts == 0:
-            problems.append(Problem(
-                "parallelism.expert", par.expert, "the model has no experts",
-                "set expert: 1 or use a mixture-of-experts model"))
-        else:
-            _divides(problems, "model.num_experts", model.num_experts, par.expert, "expert")
-    seq = model.seq_length
-    _divides(problems, "model.seq_length", seq, par.context, "context")
-    if par.sequence_parallel:
-        _divides(problems, "model.seq_length", seq, t * par.context, "tensor x context")
     return problems
 
 

@@ -28,8 +28,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paraxis.collectives import all_reduce_
 from paraxis.grid import AxisGroup, Grid
 from paraxis.placement import placement_of
+from paraxis.strategy import SyncOrder
 
 __all__ = ["DataParallel"]
 
@@ -55,7 +57,12 @@ class DataParallel:
 
     Construct on every rank of ``grid`` at the same point (it broadcasts parameters from
     the first replica). Use :meth:`no_sync` around backward of non-final microbatches.
+    It finishes first among the synchronizers (:class:`SyncOrder.DATA`): its all-reduces
+    run asynchronously from backward hooks, and nothing else may touch those gradients
+    until they are done.
     """
+
+    order = SyncOrder.DATA
 
     def __init__(self, module: nn.Module, *, grid: Grid, bucket_mb: float = 25.0,
                  broadcast: bool = True):
@@ -156,7 +163,7 @@ class DataParallel:
     def _launch(self, bucket: _Bucket) -> None:
         # Pre-divide so the sum is the mean, as DDP does; fp32 keeps it exact enough.
         bucket.buffer.div_(bucket.group.size)
-        bucket.work = dist.all_reduce(bucket.buffer, group=bucket.group.pg, async_op=True)
+        bucket.work = all_reduce_(bucket.buffer, bucket.group, async_op=True)
         self._next += 1
 
     # ---- step ------------------------------------------------------------------------

@@ -12,6 +12,13 @@ from paraxis.strategy import Strategy
 
 
 @hookimpl
+def paraxis_validate_config(config: Any, model: Any, problems: list[Any]) -> None:
+    from paraxis_pp.rules import check_pipeline
+
+    problems.extend(check_pipeline(config, model))
+
+
+@hookimpl
 def paraxis_register_strategies(register: Callable[[type[Strategy]], None]) -> None:
     from paraxis_pp.strategy import PipelineStrategy
 

@@ -19,7 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paraxis.batch import Batch
 from paraxis.grid import AxisGroup
+from paraxis.strategy import ApplyContext
 from paraxis_pp.schedules import Action, Schedule
 from paraxis_pp.simulate import Timeline
 
@@ -41,13 +43,19 @@ def _tag(kind: str, mb: int, stage: int) -> int:
 
 
 class PipelineRunner:
-    """``ctx.forward_backward`` for a pipeline: runs one step's schedule on this rank."""
+    """``ctx.forward_backward`` for a pipeline: runs one step's schedule on this rank.
+
+    Each chunk is a stage of the model (:mod:`paraxis.stages`) called with this
+    microbatch's ids (first stage) or the received hidden states, plus its position ids
+    and the plan's forward kwargs. Auxiliary losses a stage's modules add during a
+    forward are back-propagated with that stage's backward of the same microbatch."""
 
     def __init__(self, chunks: list[nn.Module], schedule: Schedule, group: AxisGroup,
-                 hidden_shape: Callable[[int, int], tuple[int, ...]], device: torch.device):
-        self.chunks, self.schedule, self.group = chunks, schedule, group
+                 ctx: ApplyContext, forward_kwargs: dict[str, Any], *, hidden: int):
+        self.chunks, self.schedule, self.group, self.ctx = chunks, schedule, group, ctx
         self.rank = group.rank
-        self.hidden_shape, self.device = hidden_shape, device
+        self.forward_kwargs, self.hidden = forward_kwargs, hidden
+        self.device = next(p for c in chunks for p in c.parameters()).device
         # (action, start, end) in the machine's monotonic clock, shared by local ranks.
         self.timeline: list[tuple[Action, float, float]] = []
 
@@ -57,8 +65,10 @@ class PipelineRunner:
         return self.group.ranks[self.schedule.place(stage)[0]]
 
     def _send(self, t: torch.Tensor, stage: int, kind: str, mb: int, src_stage: int) -> Any:
-        op = dist.P2POp(dist.isend, t.contiguous(), self._peer(stage), self.group.pg,
+        t = t.to(torch.float32).contiguous()  # the wire is fp32 whatever autocast made
+        op = dist.P2POp(dist.isend, t, self._peer(stage), self.group.pg,
                         _tag(kind, mb, src_stage))
+        self.group.stats.add(self.group.axes, "send", t.numel() * t.element_size())
         return dist.batch_isend_irecv([op])
 
     def _recv(self, shape: tuple[int, ...], stage: int, kind: str, mb: int,
@@ -67,13 +77,18 @@ class PipelineRunner:
         op = dist.P2POp(dist.irecv, buf, self._peer(stage), self.group.pg,
                         _tag(kind, mb, src_stage))
         for work in dist.batch_isend_irecv([op]):
-            work.wait()
+            work.wait()  # mostly waiting for the other stage's compute: the bubble
         return buf
+
+    def _hidden_shape(self, mb: Batch) -> tuple[int, int, int]:
+        b, s = mb.input_ids.shape
+        return (b, s // self.ctx.activation_sequence_shards, self.hidden)
 
     # ---- one step ----------------------------------------------------------------
 
-    def __call__(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]],
-                 loss_fn: Callable, scale: torch.Tensor | None, train: bool) -> torch.Tensor:
+    def __call__(self, microbatches: list[Batch], loss_fn: Callable,
+                 scale: torch.Tensor | None, train: bool, aux_scale: float = 1.0,
+                 ) -> torch.Tensor:
         s = self.schedule
         if train and len(microbatches) != s.microbatches:
             raise ValueError(f"the {s.name} schedule was built for {s.microbatches} "
@@ -82,81 +97,95 @@ class PipelineRunner:
             Action("F", i, c) for c in range(s.chunks) for i in range(len(microbatches)))
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         inputs: dict[tuple[int, int], torch.Tensor] = {}
-        outputs: dict[tuple[int, int], torch.Tensor] = {}
-        grads: dict[tuple[int, int], torch.Tensor | None] = {}
+        outputs: dict[tuple[int, int], list[torch.Tensor]] = {}
+        grads: dict[tuple[int, int], Any] = {}
         sends: list[Any] = []
         self.timeline = []
         with torch.set_grad_enabled(train):
             for a in actions:
                 stage = s.stage(self.rank, a.chunk)
                 key = (a.mb, a.chunk)
-                ids, labels = microbatches[a.mb]
+                mb = microbatches[a.mb]
                 if a.kind == "F":
-                    x = ids.to(self.device) if stage == 0 else self._recv(
-                        self.hidden_shape(*ids.shape), stage - 1, "F", a.mb, stage - 1)
+                    x = mb.input_ids if stage == 0 else self._recv(
+                        self._hidden_shape(mb), stage - 1, "F", a.mb, stage - 1)
                     if stage > 0 and train:
                         x.requires_grad_(True)
                     start = time.perf_counter()
-                    out = self.chunks[a.chunk](x)
+                    out = self.chunks[a.chunk](x, **mb.model_kwargs(), **self.forward_kwargs)
+                    aux = self.ctx.aux_losses.objective(out.new_zeros(()), aux_scale)
                     if stage == s.stages - 1:
-                        loss_sum, _ = loss_fn(out, labels)
+                        loss_sum, _ = loss_fn(out, mb.targets)
                         total += loss_sum.detach().double()
-                        out = loss_sum * scale.to(loss_sum.dtype) if train else out
+                        out = loss_sum * scale.to(loss_sum.dtype) + aux if train else out
                     self._record(a, start)
                     if stage < s.stages - 1:
                         sends += self._send(out.detach(), stage + 1, "F", a.mb, stage)
                     if train:
-                        inputs[key], outputs[key] = x, out
+                        inputs[key] = x
+                        outputs[key] = [out] if stage == s.stages - 1 else [out, aux]
                     continue
-                out = outputs[key]
+                outs = outputs[key]
                 if a.kind == "B":
                     grad = None if stage == s.stages - 1 else self._recv(
-                        out.shape, stage + 1, "B", a.mb, stage + 1)
+                        outs[0].shape, stage + 1, "B", a.mb, stage + 1)
                     start = time.perf_counter()
-                    x_grad = self._backward(key, out, grad, inputs, outputs, grads, stage)
+                    x_grad = self._backward(key, outs, grad, inputs, outputs, grads, stage)
                     self._record(a, start)
                     if stage > 0:
                         sends += self._send(x_grad, stage - 1, "B", a.mb, stage)
                 else:  # W: weight gradients of a split backward
                     start = time.perf_counter()
-                    self._weight_grads(key, out, grads.pop(key))
+                    self._weight_grads(key, outs, grads.pop(key))
                     self._record(a, start)
                     inputs.pop(key), outputs.pop(key)
         for work in sends:
             work.wait()
         return total
 
-    def _backward(self, key: tuple[int, int], out: torch.Tensor, grad: torch.Tensor | None,
-                  inputs: dict, outputs: dict, grads: dict,
+    @staticmethod
+    def _grad_list(outs: list[torch.Tensor], grad: torch.Tensor | None) -> list[Any]:
+        """Output gradients: the received one for the hidden states (None on the last
+        stage, whose output is the scalar loss), one for an auxiliary objective."""
+        return [grad, *(torch.ones_like(o) for o in outs[1:])]
+
+    def _backward(self, key: tuple[int, int], outs: list[torch.Tensor],
+                  grad: torch.Tensor | None, inputs: dict, outputs: dict, grads: dict,
                   stage: int) -> torch.Tensor | None:
         x = inputs[key]
+        live = [(o, g) for o, g in zip(outs, self._grad_list(outs, grad), strict=True)
+                if o.requires_grad]
         if not self.schedule.split_backward:
-            torch.autograd.backward(out, grad)
+            if live:
+                torch.autograd.backward([o for o, _ in live], [g for _, g in live])
             inputs.pop(key), outputs.pop(key)  # activations freed now
-            return x.grad if stage > 0 else None
+            return (x.grad if x.grad is not None else torch.zeros_like(x)) if stage > 0 \
+                else None
         # Split backward: the input gradient now (on the critical path), the weight
         # gradients at the W action. With torch's helpers B keeps the intermediate
         # gradients W needs, so nothing is computed twice; without them W walks the
         # graph again from the output.
         if stage == 0:  # no input gradient to send: all the work happens at W
-            grads[key] = ("full", grad)
+            grads[key] = ("full", live)
             return None
         if stage_backward_input is not None:
             (x_grad,), groups = stage_backward_input(
-                [out], None if grad is None else [grad], [x],
+                [o for o, _ in live], [g for _, g in live], [x],
                 self.chunks[key[1]].parameters())
             grads[key] = ("groups", groups)
             return x_grad
-        (x_grad,) = torch.autograd.grad(out, [x], grad, retain_graph=True)
-        grads[key] = ("full", grad)
+        (x_grad,) = torch.autograd.grad([o for o, _ in live], [x], [g for _, g in live],
+                                        retain_graph=True)
+        grads[key] = ("full", live)
         return x_grad
 
-    def _weight_grads(self, key: tuple[int, int], out: torch.Tensor, saved: tuple) -> None:
+    def _weight_grads(self, key: tuple[int, int], outs: list[torch.Tensor],
+                      saved: tuple) -> None:
         how, value = saved
         if how == "groups":
             stage_backward_weight(self.chunks[key[1]].parameters(), value)
-        else:
-            torch.autograd.backward(out, value)
+        elif value:
+            torch.autograd.backward([o for o, _ in value], [g for _, g in value])
 
     def _record(self, a: Action, start: float) -> None:
         self.timeline.append((a, start, time.perf_counter()))

@@ -1,55 +1,49 @@
-"""The pipeline strategy: phase SPLIT, before any other axis rewrites the stage.
+"""The pipeline strategy: phase SPLIT, before any other axis rewrites a stage.
 
-It cuts the layer list into ``pipeline x virtual_stages`` consecutive stages, asks the
-model's plugin (``paraxis_pipeline_stage``) to build this rank's stage modules, records
-each parameter's owning stage in its placement, and installs a :class:`PipelineRunner`
-as the engine's ``forward_backward``.
+It cuts the layer list into ``pipeline x virtual_stages`` consecutive stages, checks on
+this rank alone that the model's own forward, run stage by stage, reproduces the whole
+model (:func:`paraxis.stages.check_stages`; a family it cannot split is refused here,
+with the reason), builds this rank's stages from the model itself, records each
+parameter's owning stage, keeps a word embedding tied to the head one parameter (the
+first and last stage sum its gradient, as Megatron's embedding group does), and
+installs a :class:`PipelineRunner` as the engine's ``forward_backward``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 from torch import nn
 
+from paraxis.numerics import REDUCTION_RTOL
 from paraxis.placement import placement_of, set_placement
 from paraxis.plan import ModelPlan, PlanError
-from paraxis.strategy import ApplyContext, Phase, Strategy
+from paraxis.stages import PipelineChunks, StageSpec, build_stage, check_stages, tied_parameters
+from paraxis.strategy import ApplyContext, Phase, PipelineLayout, Strategy
 from paraxis_pp.check import check
 from paraxis_pp.executor import PipelineRunner
 from paraxis_pp.schedules import build
 from paraxis_pp.split import balanced_split, ranges_from_points
+from paraxis_pp.tied import TiedGradSync
 
-__all__ = ["PipelineInfo", "PipelineStrategy", "stage_ranges"]
-
-
-@dataclass(frozen=True)
-class PipelineInfo:
-    """What other axes may need to know: ``ctx.extras["pipeline"]``."""
-
-    rank: int
-    stages: tuple[int, ...]  # global stage indices held here
-    ranges: tuple[tuple[int, int], ...]  # layer range of every global stage
-    holds_first_layer: bool
-    holds_last_layer: bool
-    runner: PipelineRunner
+__all__ = ["PipelineStrategy", "stage_ranges"]
 
 
-def _layer_list(model: nn.Module, plan: ModelPlan) -> tuple[str, nn.ModuleList]:
-    for name in plan.pipeline:
-        module = model.get_submodule(name)
-        if isinstance(module, nn.ModuleList):
-            return name, module
-    raise PlanError(f"{plan.model_class}: the pipeline plan names no layer list")
+def _config_value(model: nn.Module, *names: str) -> int:
+    cfg = getattr(model, "config", None)
+    for name in names:
+        value = getattr(cfg, name, None)
+        if isinstance(value, int):
+            return value
+    return 0
 
 
 def stage_ranges(model: nn.Module, num_layers: int, stages: int,
                  points: list[int] | None) -> list[tuple[int, int]]:
     if points:
         return ranges_from_points(num_layers, points)
-    cfg = getattr(model, "config", None)
-    hidden, vocab = getattr(cfg, "hidden_size", 0), getattr(cfg, "vocab_size", 0)
+    hidden = _config_value(model, "hidden_size", "n_embd", "d_model")
+    vocab = _config_value(model, "vocab_size")
     head = vocab / (12 * hidden) if hidden else 0.0  # 2hV vs 24h^2 FLOPs per token
     return balanced_split(num_layers, stages, first_extra=0.1 * head, last_extra=head)
 
@@ -67,29 +61,35 @@ class PipelineStrategy(Strategy):
         schedule = build(sched_cfg.pipeline_schedule, group.size, sched_cfg.microbatches,
                          sched_cfg.virtual_stages)
         check(schedule)
-        _, layers = _layer_list(model, plan)
-        ranges = stage_ranges(model, len(layers), schedule.stages, sched_cfg.pipeline_split)
+        calls = ctx.plugin_manager.hook.paraxis_stage_calls(model=model, plan=plan)
+        if calls is None:
+            raise PlanError(f"{plan.model_class}: no installed plugin knows how to run it as "
+                            "pipeline stages (paraxis-hf does for transformers causal LMs)")
+        spec = StageSpec.from_plan(model, plan)
+        num_layers = len(model.get_submodule(spec.layers))
+        ranges = stage_ranges(model, num_layers, schedule.stages, sched_cfg.pipeline_split)
+        vocab = _config_value(model, "vocab_size") or 2
+        forward_kwargs = dict(plan.extra.get("forward_kwargs", {}))
+        # Stages run the model's own operations (a skipped layer is an identity), so the
+        # logits agree to fp32 rounding; a real mismatch (a position added twice) is O(1).
+        check_stages(model, spec, ranges, calls, vocab=vocab, rtol=REDUCTION_RTOL,
+                     forward_kwargs=forward_kwargs)
+        tied = tied_parameters(model, spec)
         mine = [schedule.stage(group.rank, c) for c in range(schedule.chunks)]
-        chunks = []
-        for stage in mine:
-            module = ctx.plugin_manager.hook.paraxis_pipeline_stage(
-                model=model, plan=plan, layers=ranges[stage], first=stage == 0,
-                last=stage == schedule.stages - 1)
-            if module is None:
-                raise PlanError(f"{plan.model_class}: no installed plugin builds pipeline "
-                                "stages for it (paraxis-hf does for transformers decoders)")
-            for p in module.parameters():
-                set_placement(p, dataclasses.replace(placement_of(p), stage=stage))
-            chunks.append(module)
-        hidden = getattr(model.config, "hidden_size", None)
-        device = next(model.parameters()).device
-
-        def hidden_shape(batch: int, seq: int) -> tuple[int, ...]:
-            shards = getattr(chunks[0], "sequence_shards", 1)
-            return (batch, seq // shards, hidden)
-
-        runner = PipelineRunner(chunks, schedule, group, hidden_shape, device)
+        last = schedule.stages - 1
+        chunks = [build_stage(model, spec, ranges[s], first=s == 0, last=s == last,
+                              calls=calls, in_place=len(mine) == 1) for s in mine]
+        for stage, chunk in zip(mine, chunks, strict=True):
+            for p in chunk.parameters():
+                is_tied = any(p is t for t in tied)
+                set_placement(p, dataclasses.replace(
+                    placement_of(p), stage=stage, tied=is_tied,
+                    mirror=is_tied and stage == last and 0 not in mine))
+        if tied and (0 in mine or last in mine) and ctx.grid.embedding is not None:
+            ctx.grad_syncs.append(TiedGradSync(chunks, ctx.grid.embedding))
+        ctx.pipeline = PipelineLayout(tuple(mine), tuple(ranges))
+        runner = PipelineRunner(chunks, schedule, group, ctx, forward_kwargs,
+                                hidden=_config_value(model, "hidden_size", "n_embd", "d_model"))
         ctx.forward_backward = runner
-        ctx.extras["pipeline"] = PipelineInfo(group.rank, tuple(mine), tuple(ranges),
-                                              0 in mine, schedule.stages - 1 in mine, runner)
-        return chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
+        ctx.extras["pipeline"] = runner
+        return chunks[0] if len(chunks) == 1 else PipelineChunks(chunks)

@@ -1,16 +1,18 @@
-"""paraxis tensor parallelism: Megatron-LM layers, vocab-parallel loss, sequence parallel."""
+"""paraxis tensor parallelism: Megatron-LM sharding of a model's own modules, vocab-parallel
+loss, sequence parallel."""
 
 from paraxis_tp.cross_entropy import VocabParallelLoss, vocab_parallel_cross_entropy
-from paraxis_tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from paraxis_tp.layers import shard_column, shard_embedding, shard_row
 from paraxis_tp.rng import TensorParallelRNG
-from paraxis_tp.strategy import TensorParallelStrategy
+from paraxis_tp.strategy import PartialGradSync, TensorParallelStrategy
 
 __all__ = [
-    "ColumnParallelLinear",
-    "RowParallelLinear",
+    "PartialGradSync",
     "TensorParallelRNG",
     "TensorParallelStrategy",
-    "VocabParallelEmbedding",
     "VocabParallelLoss",
+    "shard_column",
+    "shard_embedding",
+    "shard_row",
     "vocab_parallel_cross_entropy",
 ]

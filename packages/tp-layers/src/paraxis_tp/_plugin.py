@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from paraxis.hookspecs import hookimpl
 from paraxis.strategy import Strategy
+
+
+@hookimpl
+def paraxis_validate_config(config: Any, model: Any, problems: list[Any]) -> None:
+    from paraxis_tp.rules import check_tensor
+
+    problems.extend(check_tensor(config, model))
 
 
 @hookimpl

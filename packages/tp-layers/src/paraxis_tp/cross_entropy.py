@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from paraxis.collectives import all_reduce_
 from paraxis.grid import AxisGroup
 
 __all__ = ["VocabParallelLoss", "vocab_parallel_cross_entropy"]
@@ -30,14 +31,14 @@ class _VocabParallelCE(torch.autograd.Function):
         if padded.any():
             logits = logits.masked_fill(padded, float("-inf"))
         peak = logits.max(dim=-1).values
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group.pg)
+        all_reduce_(peak, group, op=dist.ReduceOp.MAX)
         shifted = logits - peak.unsqueeze(-1)
         mine = (target >= start) & (target < start + local)
         index = (target - start).clamp(0, local - 1)
         picked = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1) * mine
         exp = shifted.exp()
         sums = torch.stack([picked, exp.sum(dim=-1)])
-        dist.all_reduce(sums, group=group.pg)
+        all_reduce_(sums, group)
         valid = target != ignore_index
         loss = (sums[1].log() - sums[0]) * valid
         ctx.save_for_backward(exp.div_(sums[1].unsqueeze(-1)), index, mine, valid)
@@ -63,15 +64,16 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, 
 
 
 class VocabParallelLoss:
-    """The engine's loss for vocab-sharded logits: (summed shifted loss, token count),
-    equal to :func:`paraxis.engine.causal_lm_loss_sum` on the gathered logits."""
+    """The engine's loss for vocab-sharded logits: (summed loss, token count) against
+    already-shifted targets, equal to :func:`paraxis.engine.causal_lm_loss_sum` on the
+    gathered logits."""
 
     def __init__(self, *, start: int, vocab: int, group: AxisGroup, ignore_index: int = -100):
         self.start, self.vocab, self.group, self.ignore_index = start, vocab, group, ignore_index
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-        target = labels[:, 1:].to(logits.device)
-        loss = vocab_parallel_cross_entropy(logits[:, :-1], target, start=self.start,
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
+        target = targets.to(logits.device)
+        loss = vocab_parallel_cross_entropy(logits, target, start=self.start,
                                             vocab=self.vocab, group=self.group,
                                             ignore_index=self.ignore_index)
         return loss.sum(), int((target != self.ignore_index).sum())

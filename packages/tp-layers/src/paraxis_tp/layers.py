@@ -1,38 +1,42 @@
-"""Tensor-parallel layers on plain tensors (Megatron-LM, arXiv:1909.08053, section 3).
+"""Tensor-parallel sharding of a model's own modules, in place (Megatron-LM,
+arXiv:1909.08053, section 3).
 
-* :class:`ColumnParallelLinear`: ``Y = X A`` with ``A``'s output features split; each rank
-  computes its slice of ``Y``. Optionally gathers ``Y`` (``gather_output``).
-* :class:`RowParallelLinear`: ``A``'s input features split; each rank multiplies its
-  slice of ``X`` and the partial results are summed (all-reduce, or reduce-scatter along
-  the sequence under sequence parallelism). The bias is added once, after the sum.
-* :class:`VocabParallelEmbedding`: the vocabulary split by token range; a rank looks up
-  the tokens it owns, zeros the rest, and the partial embeddings are summed.
+A module keeps its class and its forward, so whatever its family does there (an
+embedding that scales its output, a linear whose subclass caps it) it keeps doing. Only
+its weight is replaced by this rank's shard, with the placement record updated in the
+same step, and forward hooks put core's collectives around it:
 
-Each is built from the dense module (``from_dense``), copying this rank's slice, and
-replaces the parameter's placement record in the same step. A module that "enters the
-region" itself (``enter`` set) applies the entry op to its input: Megatron's f without
-sequence parallelism, an all-gather along the sequence with it.
+* :func:`shard_column`: ``Y = X A`` with ``A``'s output features split; each rank
+  computes its slice of ``Y``. The input enters the region first (``enter``: Megatron's
+  f, or an all-gather along the sequence under sequence parallelism); optionally the
+  output is gathered (``gather_output``), padding columns cut.
+* :func:`shard_row`: ``A``'s input features split; the module runs on this rank's slice
+  of ``X`` *without* its bias, then the partial outputs are summed (all-reduce, or
+  reduce-scatter along the sequence under sequence parallelism) and the bias added once.
+* :func:`shard_embedding`: the vocabulary split by token range; ids this rank does not
+  own are looked up as row 0, their rows zeroed after the module's forward, and the
+  partial embeddings summed.
+
+Shards are built by :func:`shard_rows`; ``memo`` maps a dense weight to its shard, so a
+weight two modules share (tied word embeddings) stays one parameter.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from paraxis.collectives import all_gather, reduce_from, reduce_scatter, split
 from paraxis.grid import AxisGroup
 from paraxis.placement import placement_of, set_placement
-from paraxis_tp.functional import (
-    CommStats,
-    reduce_from_region,
-    reduce_scatter_seq,
-    split_last,
-)
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+__all__ = ["SEQ_DIM", "map_first_input", "shard_column", "shard_embedding", "shard_row",
            "shard_rows"]
+
+SEQ_DIM = 1  # activations are (batch, sequence, hidden)
 
 
 def shard_rows(t: torch.Tensor, group: AxisGroup, *, parts: int = 1,
@@ -45,8 +49,7 @@ def shard_rows(t: torch.Tensor, group: AxisGroup, *, parts: int = 1,
     """
     rows = t.shape[0]
     if parts > 1:
-        blocks = t.chunk(parts, dim=0)
-        pieces = [shard_rows(b, group)[0] for b in blocks]
+        pieces = [shard_rows(b, group)[0] for b in t.chunk(parts, dim=0)]
         per = rows // parts // group.size
         return torch.cat(pieces), group.rank * per, per, 0
     total = padded or rows
@@ -60,126 +63,107 @@ def shard_rows(t: torch.Tensor, group: AxisGroup, *, parts: int = 1,
     return local, start, real, per - real
 
 
-def _adopt(new: nn.Parameter, old: nn.Parameter, *, offset: int, length: int, parts: int = 1,
-           padding: int = 0, dim: int = 0) -> nn.Parameter:
-    """Give ``new`` the placement of ``old`` split along ``dim`` over the tensor axis."""
-    record = placement_of(old).sharded(dim=dim, axis="tensor", offset=offset, length=length,
-                                       parts=parts, padding=padding)
-    set_placement(new, record)
+def _sharded(old: nn.Parameter, group: AxisGroup, memo: dict[int, nn.Parameter], *,
+             dim: int = 0, parts: int = 1, padded: int | None = None) -> nn.Parameter:
+    """The shard of ``old`` along ``dim`` over the tensor axis, with its placement."""
+    if id(old) in memo:
+        return memo[id(old)]
+    data = old.data if dim == 0 else old.data.transpose(0, dim)
+    local, offset, length, padding = shard_rows(data, group, parts=parts, padded=padded)
+    if dim != 0:
+        local = local.transpose(0, dim)
+    new = nn.Parameter(local.contiguous(), requires_grad=old.requires_grad)
+    set_placement(new, placement_of(old).sharded(dim=dim, axis="tensor", offset=offset,
+                                                 length=length, parts=parts,
+                                                 padding=padding))
+    memo[id(old)] = new
     return new
 
 
-class ColumnParallelLinear(nn.Module):
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group: AxisGroup, *,
-                 gather_output: bool = False, enter: Callable | None = None,
-                 stats: CommStats | None = None, real_out: int | None = None):
-        super().__init__()
-        self.weight, self.bias, self.group = weight, bias, group
-        self.gather_output, self.enter, self.stats = gather_output, enter, stats
-        self.out_features, self.in_features = weight.shape
-        self.real_out = real_out  # a gathered output loses its padding columns
-
-    @classmethod
-    def from_dense(cls, linear: nn.Linear, group: AxisGroup, *, parts: int = 1,
-                   padded: int | None = None, memo: dict[int, nn.Parameter] | None = None,
-                   **kwargs) -> ColumnParallelLinear:
-        memo = {} if memo is None else memo
-        weight = memo.get(id(linear.weight))
-        if weight is None:
-            local, off, n, pad = shard_rows(linear.weight.data, group, parts=parts,
-                                            padded=padded)
-            weight = _adopt(nn.Parameter(local), linear.weight, offset=off, length=n,
-                            parts=parts, padding=pad)
-            memo[id(linear.weight)] = weight
-        bias = None
-        if linear.bias is not None:
-            local, off, n, pad = shard_rows(linear.bias.data, group, parts=parts, padded=padded)
-            bias = _adopt(nn.Parameter(local), linear.bias, offset=off, length=n, parts=parts,
-                          padding=pad)
-        return cls(weight, bias, group, real_out=linear.out_features, **kwargs)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.enter is not None:
-            x = self.enter(x)
-        y = F.linear(x, self.weight, self.bias)
-        if self.gather_output:
-            from paraxis_tp.functional import gather_last
-
-            y = gather_last(y, self.group, self.stats)[..., : self.real_out]
-        return y
-
-    def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out_local={self.out_features}, "
-                f"tensor={self.group.size}, gather_output={self.gather_output}")
+def map_first_input(fn: Callable[[Any], Any], args: tuple, kwargs: dict,
+                    ) -> tuple[tuple, dict]:
+    """Apply ``fn`` to a module call's hidden-state input (first positional argument, or
+    the ``hidden_states`` / ``input`` keyword)."""
+    if args:
+        return (fn(args[0]), *args[1:]), kwargs
+    for key in ("hidden_states", "input", "x"):
+        if key in kwargs:
+            return args, {**kwargs, key: fn(kwargs[key])}
+    raise ValueError("cannot find the hidden-state input of a tensor-parallel module")
 
 
-class RowParallelLinear(nn.Module):
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group: AxisGroup, *,
-                 split_input: bool = False, sequence_parallel: bool = False,
-                 stats: CommStats | None = None, on_enter: Callable | None = None):
-        super().__init__()
-        self.weight, self.bias, self.group = weight, bias, group
-        self.split_input, self.sequence_parallel = split_input, sequence_parallel
-        self.stats, self.on_enter = stats, on_enter
-        self.out_features, self.in_features = weight.shape
+def shard_column(linear: nn.Linear, group: AxisGroup, memo: dict[int, nn.Parameter], *,
+                 parts: int = 1, padded: int | None = None, gather_output: bool = False,
+                 enter: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    real_out = linear.out_features
+    linear.weight = _sharded(linear.weight, group, memo, parts=parts, padded=padded)
+    if linear.bias is not None:
+        linear.bias = _sharded(linear.bias, group, memo, parts=parts, padded=padded)
+    linear.out_features = linear.weight.shape[0]
+    if enter is not None:
+        linear.register_forward_pre_hook(
+            lambda m, args, kwargs: map_first_input(enter, args, kwargs), with_kwargs=True)
+    if gather_output:
+        def gather(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+            return all_gather(out, group, dim=-1, grad="slice")[..., :real_out]
 
-    @classmethod
-    def from_dense(cls, linear: nn.Linear, group: AxisGroup, **kwargs) -> RowParallelLinear:
-        local, off, n, _ = shard_rows(linear.weight.data.t(), group)
-        weight = _adopt(nn.Parameter(local.t().contiguous()), linear.weight, offset=off,
-                        length=n, dim=1)
-        bias = None
-        if linear.bias is not None:  # added after the sum: replicated, not split
-            bias = nn.Parameter(linear.bias.data.clone())
-            set_placement(bias, placement_of(linear.bias))
-        return cls(weight, bias, group, **kwargs)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.on_enter is not None:
-            self.on_enter()
-        if self.split_input:
-            x = split_last(x, self.group, self.stats)
-        y = F.linear(x, self.weight)
-        if self.sequence_parallel:
-            y = reduce_scatter_seq(y, self.group, self.stats)
-        else:
-            y = reduce_from_region(y, self.group, self.stats)
-        return y if self.bias is None else y + self.bias
-
-    def extra_repr(self) -> str:
-        return (f"in_local={self.in_features}, out={self.out_features}, "
-                f"tensor={self.group.size}, sequence_parallel={self.sequence_parallel}")
+        linear.register_forward_hook(gather)
+    linear.paraxis_tensor = "column (gathered)" if gather_output else "column"
 
 
-class VocabParallelEmbedding(nn.Module):
-    def __init__(self, weight: nn.Parameter, start: int, real: int, group: AxisGroup,
-                 stats: CommStats | None = None, padding_idx: int | None = None):
-        super().__init__()
-        self.weight, self.group, self.stats = weight, group, stats
-        self.start, self.end = start, start + real  # token ids this rank owns
-        self.num_embeddings, self.embedding_dim = weight.shape
-        # The pad token's row gets no gradient, as in nn.Embedding; only its owner has it.
-        owns_pad = padding_idx is not None and start <= padding_idx < start + real
-        self.local_padding_idx = padding_idx - start if owns_pad else None
+def shard_row(linear: nn.Linear, group: AxisGroup, memo: dict[int, nn.Parameter], *,
+              split_input: bool = False, sequence_parallel: bool = False,
+              on_enter: Callable[[], None] | None = None) -> None:
+    linear.weight = _sharded(linear.weight, group, memo, dim=1)
+    linear.in_features = linear.weight.shape[1]
 
-    @classmethod
-    def from_dense(cls, emb: nn.Embedding, group: AxisGroup, *, padded: int | None = None,
-                   memo: dict[int, nn.Parameter] | None = None,
-                   stats: CommStats | None = None) -> VocabParallelEmbedding:
-        memo = {} if memo is None else memo
-        local, off, n, pad = shard_rows(emb.weight.data, group, padded=padded)
-        weight = memo.get(id(emb.weight))
-        if weight is None:
-            weight = _adopt(nn.Parameter(local), emb.weight, offset=off, length=n, padding=pad)
-            memo[id(emb.weight)] = weight
-        return cls(weight, off, n, group, stats, padding_idx=emb.padding_idx)
+    def pre(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if on_enter is not None:
+            on_enter()
+        # The bias is added once, after the sum: the module's forward runs without it.
+        module._paraxis_bias = module._parameters.get("bias")
+        if module._paraxis_bias is not None:
+            module._parameters["bias"] = None
+        if split_input:
+            return map_first_input(lambda x: split(x, group, dim=-1), args, kwargs)
+        return args, kwargs
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        outside = (ids < self.start) | (ids >= self.end)
-        local = (ids - self.start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight, padding_idx=self.local_padding_idx)
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_region(out, self.group, self.stats)
+    def post(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        bias = module._paraxis_bias
+        if bias is not None:
+            module._parameters["bias"] = bias
+        out = (reduce_scatter(out, group, dim=SEQ_DIM) if sequence_parallel
+               else reduce_from(out, group))
+        return out if bias is None else out + bias
 
-    def extra_repr(self) -> str:
-        return f"tokens=[{self.start}, {self.end}), dim={self.embedding_dim}"
+    linear.register_forward_pre_hook(pre, with_kwargs=True)
+    linear.register_forward_hook(post)
+    linear.paraxis_tensor = "row"
+
+
+def shard_embedding(emb: nn.Embedding, group: AxisGroup, memo: dict[int, nn.Parameter], *,
+                    padded: int) -> None:
+    rows = emb.num_embeddings
+    emb.weight = _sharded(emb.weight, group, memo, padded=padded)
+    per = emb.weight.shape[0]
+    start = group.rank * per
+    end = min(start + per, rows)  # ids this rank owns
+    emb.num_embeddings = per
+    # The pad token's row gets no gradient, as in nn.Embedding; only its owner has it.
+    pad = emb.padding_idx
+    emb.padding_idx = pad - start if pad is not None and start <= pad < end else None
+
+    def pre(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        def local(ids: torch.Tensor) -> torch.Tensor:
+            module._paraxis_outside = (ids < start) | (ids >= end)
+            return (ids - start).masked_fill(module._paraxis_outside, 0)
+
+        return map_first_input(local, args, kwargs)
+
+    def post(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        out = out.masked_fill(module._paraxis_outside.unsqueeze(-1), 0.0)
+        return reduce_from(out, group)
+
+    emb.register_forward_pre_hook(pre, with_kwargs=True)
+    emb.register_forward_hook(post)
+    emb.paraxis_tensor = f"vocab [{start}, {end})"

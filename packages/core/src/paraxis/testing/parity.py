@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from paraxis.placement import Placement, placement_of
+from paraxis.testing.tolerance import assert_weights_close
 
 __all__ = ["assemble", "assert_same_weights", "local_shards", "train_on_random_tokens"]
 
@@ -70,11 +71,11 @@ def train_on_random_tokens(engine, *, steps: int, batch: int, seq: int, vocab: i
 
 def assert_same_weights(per_rank: list[dict[str, tuple[torch.Tensor, Placement]]],
                         reference: dict[str, tuple[torch.Tensor, Placement]], *,
-                        rtol: float, atol: float) -> None:
+                        lr: float, steps: int) -> None:
     """The ranks' shards, assembled, equal the one-process reference parameter by
-    parameter (and no parameter is missing or extra)."""
+    parameter (and no parameter is missing or extra), at the shared tolerance for
+    weights after ``steps`` Adam steps of peak rate ``lr`` (paraxis.testing.tolerance)."""
     full, ref = assemble(per_rank), assemble([reference])
     assert full.keys() == ref.keys(), sorted(full.keys() ^ ref.keys())
     for name in ref:
-        torch.testing.assert_close(full[name], ref[name], rtol=rtol, atol=atol,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+        assert_weights_close(full[name], ref[name], lr=lr, steps=steps, what=name)

@@ -1,0 +1,132 @@
+"""One step's tokens as the engine hands them to the model, and the auxiliary-loss channel.
+
+:class:`Batch` holds input ids, *targets* (the label of the next position, shifted
+once, here, so that an axis may later cut the sequence without losing the label that
+crosses the cut) and optional ``position_ids`` (an axis that cuts the sequence passes
+each rank's true positions). A strategy's batch transform (``ApplyContext.batch_transforms``)
+takes and returns a Batch; the engine counts tokens after the transforms, so an axis
+that splits the sequence never multiplies the global token count.
+
+:class:`AuxLosses` carries losses other than next-token cross-entropy (a router's
+load-balancing loss, its z-loss) from modules to the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+__all__ = ["IGNORE_INDEX", "AuxLosses", "Batch", "shift_labels"]
+
+IGNORE_INDEX = -100
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """targets[:, i] = labels[:, i + 1]; the last position has no next token (ignored)."""
+    targets = torch.full_like(labels, IGNORE_INDEX)
+    targets[:, :-1] = labels[:, 1:]
+    return targets
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Token ids ``(b, s)``, their targets ``(b, s)`` and, when an axis moved them,
+    position ids ``(b, s)`` (None: ``0..s-1`` as the model assumes)."""
+
+    input_ids: torch.Tensor
+    targets: torch.Tensor
+    position_ids: torch.Tensor | None = None
+
+    @classmethod
+    def from_user(cls, batch: Any) -> Batch:
+        """Token ids, or a mapping with ``input_ids`` and optional ``labels`` (``-100``
+        ignored; labels equal the ids when absent), as transformers' ``labels=``."""
+        if isinstance(batch, Batch):
+            return batch
+        if isinstance(batch, Mapping):
+            ids = batch["input_ids"]
+            labels = batch.get("labels", ids)
+        else:
+            ids = labels = batch
+        return cls(ids, shift_labels(labels))
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def tokens(self) -> torch.Tensor:
+        """How many targets count (a 0-d tensor)."""
+        return (self.targets != IGNORE_INDEX).sum()
+
+    def chunk(self, n: int) -> list[Batch]:
+        if self.batch_size % n:
+            raise ValueError(f"local batch of {self.batch_size} does not split into {n} "
+                             "microbatches (schedule.microbatches)")
+        pos: list[torch.Tensor | None]
+        if self.position_ids is None or self.position_ids.shape[0] == 1:
+            pos = [self.position_ids] * n  # shared by every sample
+        else:
+            pos = list(self.position_ids.chunk(n))
+        return [Batch(i, t, p) for i, t, p in zip(self.input_ids.chunk(n),
+                                                  self.targets.chunk(n), pos, strict=True)]
+
+    def to(self, device: torch.device) -> Batch:
+        pos = None if self.position_ids is None else self.position_ids.to(device)
+        return replace(self, input_ids=self.input_ids.to(device),
+                       targets=self.targets.to(device), position_ids=pos)
+
+    def model_kwargs(self) -> dict[str, torch.Tensor]:
+        """Keyword arguments besides the ids that the model's forward takes."""
+        return {} if self.position_ids is None else {"position_ids": self.position_ids}
+
+
+class AuxLosses:
+    """Losses besides next-token cross-entropy, from modules to the engine.
+
+    A strategy ``declare``s each name once at apply time (every rank the same names, so
+    metrics reduce as one vector). During a microbatch's forward a module ``add``s its
+    *part*: a differentiable scalar whose sum over the ranks holding distinct tokens
+    (data x expert x context) and over pipeline stages is the loss's value for that
+    microbatch, with its coefficient applied. The engine (or the pipeline runner, per
+    stage) ``pop``s the parts after each forward and adds them to what it
+    back-propagates, scaled like the language-model loss, and reports each name's value
+    averaged over microbatches, separately from the language-model loss.
+    """
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self._parts: dict[str, torch.Tensor] = {}
+        # This rank's popped values of the current step, by name (summed).
+        self.totals: dict[str, float] = {}
+
+    def declare(self, name: str) -> None:
+        if name not in self.names:
+            self.names.append(name)
+
+    def add(self, name: str, part: torch.Tensor) -> None:
+        if name not in self.names:
+            raise KeyError(f"auxiliary loss {name!r} was not declared; declared: {self.names}")
+        self._parts[name] = self._parts[name] + part if name in self._parts else part
+
+    def pop(self) -> dict[str, torch.Tensor]:
+        """The parts added since the last pop (their values go into ``totals``)."""
+        parts, self._parts = self._parts, {}
+        for name, part in parts.items():
+            self.totals[name] = self.totals.get(name, 0.0) + float(part.detach())
+        return parts
+
+    def reset_totals(self) -> None:
+        self.totals = {}
+
+    def objective(self, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        """``loss`` plus every popped part times ``scale``: what one forward
+        back-propagates (the engine's scale undoes the replicas' gradient averaging and
+        averages over microbatches)."""
+        parts = self.pop()
+        return loss + sum(parts.values()) * scale if parts else loss
+
+    def __bool__(self) -> bool:
+        return bool(self.names)

@@ -1,0 +1,68 @@
+"""The one parity tolerance every paraxis test uses, and why it is what it is.
+
+The budget of one step's numbers is :data:`paraxis.numerics.REDUCTION_RTOL` (1e-5): a
+parallel run sums the same terms as its one-process reference in another order, and in
+fp32 two orders of a sum of up to 2.5·10^4 terms differ by ≲ u·√n ≈ 1e-5 relative (the
+derivation is in :mod:`paraxis.numerics`, shared with paraxis's own checks).
+
+* :data:`STEP_RTOL` (1e-5): the loss, the gradient norm and the first step's gradients.
+  Later steps' losses use it too: over the ≤ 20-step runs of this suite the weights
+  differ by far less than a loss can resolve (next bullet), so the loss noise stays one
+  step's.
+
+* Weights after Adam do not obey a relative bound. Adam divides every update by the
+  running RMS of its gradient, so an element whose gradient sits at the noise floor of
+  the reduction (|g| ≈ u·√n·max|g|) gets an update of either sign: reduction-order noise
+  becomes up to a whole ``lr`` per step on that element. Any *real* defect is normalized
+  the same way and moves an element by about ``lr`` per step too, so the useful bound is
+  a fraction of ``lr`` per step: :func:`weight_atol` allows :data:`ADAM_FRACTION` (1%) of
+  one step per step taken, a hundredth of what a defect does, and :data:`WEIGHT_RTOL`
+  (1e-4, ten times a step's budget) for the elements far from zero. We saw 0.05% of a
+  step per step on a 2-core machine (2.2e-6 after 4 steps at lr 1e-3), twenty times
+  inside the bound.
+
+Tolerances are not tuned per test or per machine: a test that needs another number has
+found a defect or a different kind of arithmetic (bf16, a compiled optimizer), and says
+so next to its own, derived, constant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from paraxis.numerics import REDUCTION_RTOL
+
+__all__ = ["ADAM_FRACTION", "STEP_RTOL", "WEIGHT_RTOL", "assert_losses_close",
+           "assert_step_close", "assert_weights_close", "weight_atol"]
+
+STEP_RTOL = REDUCTION_RTOL
+WEIGHT_RTOL = 10 * STEP_RTOL
+ADAM_FRACTION = 1e-2
+
+
+def weight_atol(lr: float, steps: int) -> float:
+    """Absolute tolerance on weights after ``steps`` Adam steps of peak rate ``lr``."""
+    return ADAM_FRACTION * lr * max(steps, 1)
+
+
+def assert_losses_close(losses: Sequence[float], reference: Sequence[float],
+                        what: str = "per-step losses") -> None:
+    torch.testing.assert_close(torch.tensor(list(losses), dtype=torch.float64),
+                               torch.tensor(list(reference), dtype=torch.float64),
+                               rtol=STEP_RTOL, atol=0.0, msg=lambda m: f"{what}: {m}")
+
+
+def assert_step_close(got: torch.Tensor, want: torch.Tensor, what: str = "tensor") -> None:
+    """One step's numbers (outputs, gradients before any Adam step): relative to the
+    largest element, which sets the rounding of the sums that made them."""
+    scale = float(want.detach().abs().max()) if want.numel() else 0.0
+    torch.testing.assert_close(got, want, rtol=STEP_RTOL, atol=STEP_RTOL * scale,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def assert_weights_close(got: torch.Tensor, want: torch.Tensor, *, lr: float, steps: int,
+                         what: str = "weights") -> None:
+    torch.testing.assert_close(got, want, rtol=WEIGHT_RTOL, atol=weight_atol(lr, steps),
+                               msg=lambda m: f"{what}: {m}")

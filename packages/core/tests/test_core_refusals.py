@@ -1,0 +1,127 @@
+"""Refuse, never mistrain: layouts that would train something else fail at parallelize
+time with the reason, on every rank alike (no rank left waiting)."""
+
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import paraxis
+from paraxis import ModelPlan, Phase, PlanError, Strategy
+from paraxis.hookspecs import hookimpl
+from paraxis.plugins import make_plugin_manager
+from paraxis.stages import StageSpec, check_stages
+from paraxis.tiny import TINY_PLAN, TinyCalls, TinyConfig, TinyTransformer
+
+CFG = TinyConfig(vocab_size=32, hidden_size=16, num_layers=4, num_heads=2,
+                 intermediate_size=32, seq_length=16)
+
+
+class PositionsInForward(TinyTransformer):
+    """Adds its position embedding to ``inputs_embeds`` inside the forward (as GPT-2
+    does): a later stage would need the embedding it does not hold."""
+
+    def hidden_states(self, input_ids=None, inputs_embeds=None, position_ids=None):
+        if inputs_embeds is None:
+            inputs_embeds = self.embed.tokens(input_ids)
+        x = inputs_embeds + self.embed.positions[: inputs_embeds.shape[1]]
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+class ScalesInForward(TinyTransformer):
+    """Scales ``inputs_embeds`` in the forward rather than in the embedding module (as
+    some families once did): a stage fed hidden states would scale them again."""
+
+    def hidden_states(self, input_ids=None, inputs_embeds=None, position_ids=None):
+        if inputs_embeds is None:
+            inputs_embeds = self.embed(input_ids, torch.arange(input_ids.shape[1]))
+        x = inputs_embeds * 4.0
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+def test_stages_that_do_not_reproduce_the_model_are_refused():
+    torch.manual_seed(0)
+    good = TinyTransformer(CFG)
+    spec = StageSpec.from_plan(good, TINY_PLAN)
+    assert (spec.layers, spec.embedding, spec.after, spec.head) == (
+        "layers", "embed", ("norm",), "head")
+    ranges = [(0, 2), (2, 4)]
+    check_stages(good, spec, ranges, TinyCalls(), vocab=CFG.vocab_size, rtol=1e-5)
+    for kind, says in [(ScalesInForward, "do not reproduce the model's own logits"),
+                       (PositionsInForward, "embed lives on another pipeline stage")]:
+        try:
+            check_stages(kind(CFG), spec, ranges, TinyCalls(), vocab=CFG.vocab_size,
+                         rtol=1e-5)
+        except PlanError as exc:
+            assert says in str(exc) and kind.__name__ in str(exc), str(exc)
+        else:
+            raise AssertionError(f"{kind.__name__}'s stages were accepted")
+
+
+class Miswired(Strategy):
+    """A partition strategy that misunderstands the model: it doubles a weight, as a
+    shard taken along the wrong dimension would change it."""
+
+    axis = "tensor"
+    phase = Phase.PARTITION
+
+    def apply(self, model, ctx):
+        with torch.no_grad():
+            model.layers[0].mlp.down.weight.mul_(2)
+        return model
+
+
+class MiswiredPlugin:
+    registered: ClassVar[list] = []
+
+    @hookimpl
+    def paraxis_register_strategies(self, register):
+        register(Miswired)
+
+
+def miswired_run():
+    torch.manual_seed(0)
+    pm = make_plugin_manager(load_entrypoints=False, plugins=(MiswiredPlugin(),))
+    plan = ModelPlan("TinyTransformer", tensor={"layers.*.mlp.up": "colwise"})
+    try:
+        paraxis.parallelize(TinyTransformer(CFG), tensor=dist.get_world_size(), plan=plan,
+                            plugin_manager=pm, train={"seq_length": CFG.seq_length})
+    except PlanError as exc:
+        return str(exc)
+    return None
+
+
+def test_the_parity_probe_refuses_a_layout_that_changes_the_loss(worlds):
+    for message in worlds.run(2, miswired_run):
+        assert message and "This layout would train something else" in message
+        assert "with tensor 2" in message
+
+
+def unchecked_run():
+    torch.manual_seed(0)
+    pm = make_plugin_manager(load_entrypoints=False, plugins=(MiswiredPlugin(),))
+    plan = ModelPlan("TinyTransformer", tensor={"layers.*.mlp.up": "colwise"})
+    engine = paraxis.parallelize(TinyTransformer(CFG), tensor=dist.get_world_size(),
+                                 plan=plan, plugin_manager=pm, verify=False,
+                                 train={"seq_length": CFG.seq_length})
+    engine.close()
+    return True
+
+
+def test_the_probe_can_be_turned_off(worlds):
+    assert all(worlds.run(2, unchecked_run))
+
+
+def test_parallelize_refuses_options_beside_a_config():
+    try:
+        paraxis.parallelize(nn.Linear(2, 2), config=paraxis.ParallelConfig(), tensor=1,
+                            sequence_parallel=True)
+    except TypeError as exc:
+        assert "both config= and options" in str(exc)
+    else:
+        raise AssertionError("options beside config= were silently dropped")

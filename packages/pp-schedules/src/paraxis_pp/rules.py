@@ -1,0 +1,49 @@
+"""The pipeline axis' own configuration rules, checked before any process group exists
+(through the ``paraxis_validate_config`` hook)."""
+
+from __future__ import annotations
+
+from paraxis.config import ParallelConfig
+from paraxis.errors import Problem
+from paraxis.validation import ModelShape
+
+__all__ = ["check_pipeline"]
+
+
+def check_pipeline(config: ParallelConfig, model: ModelShape | None) -> list[Problem]:
+    par, sched = config.parallelism, config.schedule
+    problems: list[Problem] = []
+    if par.pipeline > 1 and sched.microbatches < par.pipeline:
+        problems.append(Problem(
+            "schedule.microbatches", sched.microbatches,
+            f"must be at least the pipeline degree {par.pipeline} or stages sit idle",
+            f"set schedule.microbatches >= {par.pipeline}"))
+    v = sched.virtual_stages
+    if (v > 1) != (sched.pipeline_schedule == "interleaved_1f1b"):
+        problems.append(Problem(
+            "schedule.virtual_stages", v, "more than one model chunk per rank goes with "
+            "the interleaved_1f1b schedule, and only with it",
+            "set pipeline_schedule: interleaved_1f1b with virtual_stages > 1, or "
+            "virtual_stages: 1"))
+    if sched.pipeline_schedule == "interleaved_1f1b" and sched.microbatches % par.pipeline:
+        problems.append(Problem(
+            "schedule.microbatches", sched.microbatches, "interleaved 1F1B works on groups "
+            f"of pipeline-degree ({par.pipeline}) microbatches",
+            f"use a multiple of {par.pipeline}"))
+    if model is None or par.pipeline == 1:
+        return problems
+    stages = par.pipeline * v
+    if stages > model.num_layers:
+        problems.append(Problem(
+            "parallelism.pipeline", par.pipeline,
+            f"each of the {stages} stages needs at least one of the {model.num_layers} "
+            "layers", f"set pipeline x virtual_stages <= {model.num_layers}"))
+    split = sched.pipeline_split
+    if split is not None and (len(split) != stages - 1 or sorted(set(split)) != split
+                              or split[0] <= 0 or split[-1] >= model.num_layers):
+        problems.append(Problem(
+            "schedule.pipeline_split", split,
+            f"needs {stages - 1} increasing layer indices in (0, {model.num_layers}), one "
+            "per stage boundary, so every layer lands on exactly one stage",
+            "list the first layer of every stage after the first, or drop it to balance"))
+    return problems

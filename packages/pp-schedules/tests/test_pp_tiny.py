@@ -1,0 +1,53 @@
+"""Pipeline parallelism on core's own tiny model (no transformers): every schedule and
+recomputation against one process, at the shared tolerance. This is what
+``nox -s tests_isolated`` runs with only core and this package installed."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import paraxis
+from paraxis import ParallelConfig
+from paraxis.testing.parity import assert_same_weights, local_shards
+from paraxis.testing.tolerance import assert_losses_close
+from paraxis.tiny import TinyConfig, TinyTransformer
+
+CFG = TinyConfig(vocab_size=61, hidden_size=32, num_layers=4, num_heads=4,
+                 intermediate_size=64, seq_length=16)
+STEPS, BATCH, LR = 6, 8, 1e-3
+
+
+def train(options):
+    torch.manual_seed(0)
+    pipeline = dist.get_world_size()
+    config = ParallelConfig.from_kwargs(pipeline=pipeline, microbatches=4, **options)
+    engine = paraxis.parallelize(TinyTransformer(CFG), config=config,
+                                 train={"steps": STEPS, "lr": LR, "warmup_steps": 2,
+                                        "seq_length": CFG.seq_length})
+    g = torch.Generator().manual_seed(1)
+    losses = [engine.train_step(torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_length),
+                                              generator=g))["loss"] for _ in range(STEPS)]
+    shards = local_shards(engine.model)
+    engine.close()
+    return losses, shards
+
+
+@pytest.fixture(scope="module")
+def reference(worlds):
+    return worlds.run(1, train, {})[0]
+
+
+@pytest.mark.parametrize("options", [
+    {"pipeline_schedule": "gpipe"},
+    {"pipeline_schedule": "1f1b"},
+    {"pipeline_schedule": "zero_bubble_h1"},
+    {"pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2},
+    {"activation_checkpointing": "full"},
+    {"activation_checkpointing": "selective", "pipeline_schedule": "zero_bubble_h1"},
+], ids=lambda o: "-".join(str(v) for v in o.values()))
+def test_tiny_pipeline_matches_one_process(worlds, reference, options):
+    ref_losses, ref_shards = reference
+    out = worlds.run(2, train, options)
+    for losses, _ in out:
+        assert_losses_close(losses, ref_losses)
+    assert_same_weights([s for _, s in out], ref_shards, lr=LR, steps=STEPS)

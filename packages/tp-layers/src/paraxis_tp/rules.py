@@ -1,0 +1,41 @@
+"""The tensor axis' own configuration rules, checked before any process group exists
+(through the ``paraxis_validate_config`` hook)."""
+
+from __future__ import annotations
+
+from paraxis.config import ParallelConfig
+from paraxis.errors import Problem
+from paraxis.validation import ModelShape, divides, divisors
+
+__all__ = ["check_tensor"]
+
+
+def check_tensor(config: ParallelConfig, model: ModelShape | None) -> list[Problem]:
+    par = config.parallelism
+    t = par.tensor
+    problems: list[Problem] = []
+    if par.sequence_parallel and t == 1:
+        problems.append(Problem(
+            "parallelism.sequence_parallel", True, "shards activations over the tensor axis, "
+            "which has degree 1", "set parallelism.tensor > 1 or sequence_parallel: false"))
+    if model is None or t == 1:
+        return problems
+    divides(problems, "model.hidden_size", model.hidden_size, t, "tensor")
+    divides(problems, "model.num_attention_heads", model.num_attention_heads, t, "tensor")
+    divides(problems, "model.intermediate_size", model.intermediate_size, t, "tensor")
+    if model.kv_heads % t:
+        # Replicating kv heads over tensor ranks would make their gradients partial sums
+        # over sub-groups of the tensor group; paraxis rejects it instead (documented).
+        problems.append(Problem(
+            "model.num_key_value_heads", model.kv_heads,
+            f"must be divisible by the tensor degree {t} (kv heads are split, never "
+            "replicated)", f"choose tensor among {divisors(model.kv_heads)}"))
+    if model.vocab_size < t:
+        problems.append(Problem(
+            "model.vocab_size", model.vocab_size,
+            f"must be at least the tensor degree {t} (it is padded to a multiple of it)",
+            "lower parallelism.tensor"))
+    if par.sequence_parallel:
+        divides(problems, "model.seq_length", model.seq_length, t * par.context,
+                "tensor x context")
+    return problems
