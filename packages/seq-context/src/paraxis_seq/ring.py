@@ -69,18 +69,19 @@ class _Ring:
         if stats is not None:
             stats.add(self.group.axes, "p2p", nbytes, seconds, calls)
 
-    def start(self, send: list[torch.Tensor], recv: list[torch.Tensor]) -> tuple[Any, list]:
+    def start(self, send: list[torch.Tensor], recv: list[torch.Tensor]) -> tuple:
         """Post every send and receive now. Both sides post in the same order (the
-        receiver's receives match the sender's sends one for one; NCCL has no tags)."""
+        receiver's receives match the sender's sends one for one; NCCL has no tags).
+        The handle keeps the sent tensors alive until :meth:`wait`."""
         pg = self.group.pg
         ops = [dist.P2POp(dist.irecv, t, self.prev, group=pg) for t in recv]
         ops += [dist.P2POp(dist.isend, t, self.next, group=pg) for t in send]
         works = dist.batch_isend_irecv(ops) if ops else []
         self._count(float(sum(t.numel() * t.element_size() for t in send)), 0.0, len(send))
-        return works, recv
+        return works, recv, send
 
-    def wait(self, handle: tuple[Any, list]) -> list[torch.Tensor]:
-        works, recv = handle
+    def wait(self, handle: tuple) -> list[torch.Tensor]:
+        works, recv, _ = handle
         begin = time.perf_counter()
         for work in works:
             work.wait()
