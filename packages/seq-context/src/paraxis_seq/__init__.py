@@ -1,0 +1,21 @@
+"""paraxis context parallelism: the sequence split over the ``context`` axis, attention
+by ring (zigzag-balanced) or by DeepSpeed-Ulysses all-to-all."""
+
+from paraxis_seq.ring import ring_attention
+from paraxis_seq.strategy import ContextParallelStrategy, SequenceSplit
+from paraxis_seq.ulysses import kv_replication, sdpa_attention, ulysses_attention
+from paraxis_seq.zigzag import LAYOUTS, positions, shard, shard_order, unshard
+
+__all__ = [
+    "LAYOUTS",
+    "ContextParallelStrategy",
+    "SequenceSplit",
+    "kv_replication",
+    "positions",
+    "ring_attention",
+    "sdpa_attention",
+    "shard",
+    "shard_order",
+    "ulysses_attention",
+    "unshard",
+]

@@ -1,0 +1,161 @@
+"""Attention on one (query block, key block) pair, its backward, and the merge of
+partial results: the arithmetic that ring attention repeats once per ring step.
+
+Tensors are ``(batch, seq, heads, head_dim)`` (flash-attention's layout); the
+log-sum-exp is ``(batch, heads, seq)``. Everything runs in a compute dtype of at least
+fp32 (float64 stays float64, for tests): partial softmax results from different
+blocks meet through their log-sum-exp, and adding those in bf16 would lose the very
+bits the merge is for (Milakov & Gimelshein, arXiv:1805.02867, the online softmax;
+flash-attention 2, Dao, arXiv:2307.08691, for the backward below).
+
+The kernel is a manual one, because PyTorch's SDPA returns no log-sum-exp on CPU; a
+fused kernel (flash-attention's ``_flash_attn_forward`` returns ``softmax_lse``) can
+replace :func:`block_forward` / :func:`block_backward` on GPU without touching the ring.
+
+Which part of a key block a query block may see is a plan computed from true global
+positions (:func:`plan_block`): causal, optionally a sliding window, and skipped
+entirely when nothing is visible, so the zigzag rule of ring attention falls out of
+the positions instead of being special-cased.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "Block",
+    "block_backward",
+    "block_forward",
+    "compute_dtype",
+    "merge",
+    "plan_block",
+    "visible",
+]
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; fp32, bf16 and fp16 compute (and merge) in fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, *, causal: bool,
+            window: int | None) -> torch.Tensor | None:
+    """``(sq, sk)`` bool: may query at ``q_pos[i]`` see key at ``k_pos[j]``; None when
+    all may. Sliding window as transformers' ``sliding_window_overlay``: a query sees
+    the ``window`` latest keys, itself included (``q - k < window``)."""
+    if not causal and window is None:
+        return None
+    diff = q_pos[:, None] - k_pos[None, :]
+    mask = diff >= 0 if causal else torch.ones_like(diff, dtype=torch.bool)
+    if window is not None:
+        mask &= diff < window
+    return mask
+
+
+@dataclass(frozen=True)
+class Block:
+    """The rectangle of a (queries, keys) pair that has work: rows ``rows`` of the local
+    queries attend columns ``cols`` of the key block, under ``mask`` (None: all)."""
+
+    rows: slice
+    cols: slice
+    mask: torch.Tensor | None
+
+    @property
+    def area(self) -> int:
+        return (self.rows.stop - self.rows.start) * (self.cols.stop - self.cols.start)
+
+
+def plan_block(q_pos: torch.Tensor, k_pos: torch.Tensor, *, causal: bool,
+               window: int | None = None) -> Block | None:
+    """The work of local queries at ``q_pos`` against keys at ``k_pos``; None if none.
+
+    For zigzag shards under a causal mask (rank ``r`` holds chunks ``r`` and
+    ``2C-1-r``) this gives exactly the rule of zigzag ring attention:
+    keys from rank ``r`` itself: the lower triangle; from a rank ``s < r``: every local
+    query, the first half of the keys (chunk ``s``; chunk ``2C-1-s`` lies after both of
+    ours), no mask; from a rank ``s > r``: the second half of the queries (chunk
+    ``2C-1-r`` comes after both of s's chunks, chunk ``r`` before both), every key, no
+    mask. Every off-diagonal step then costs every rank the same half block.
+    """
+    mask = visible(q_pos, k_pos, causal=causal, window=window)
+    if mask is None:
+        return Block(slice(0, len(q_pos)), slice(0, len(k_pos)), None)
+    rows = mask.any(1).nonzero().flatten()
+    if rows.numel() == 0:
+        return None
+    cols = mask.any(0).nonzero().flatten()
+    r0, r1 = int(rows[0]), int(rows[-1]) + 1
+    c0, c1 = int(cols[0]), int(cols[-1]) + 1
+    sub = mask[r0:r1, c0:c1]
+    return Block(slice(r0, r1), slice(c0, c1), None if bool(sub.all()) else sub.clone())
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    # Query head h uses kv head h // groups, as transformers' repeat_kv.
+    return x if groups == 1 else x.repeat_interleave(groups, dim=2)
+
+
+def _fold_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    # Adjoint of _repeat_kv: sum the gradients of the copies of each kv head.
+    if groups == 1:
+        return x
+    b, s, h, d = x.shape
+    return x.view(b, s, h // groups, groups, d).sum(3)
+
+
+def _probs(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None,
+           lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax probabilities (b, h, sq, sk) and the log-sum-exp (b, h, sq); a row that
+    sees nothing has lse -inf and probabilities 0."""
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    if lse is None:
+        lse = torch.logsumexp(scores, dim=-1)
+    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    return torch.exp(scores - finite.unsqueeze(-1)), lse
+
+
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+                  mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q kᵀ · scale) v for one block: ``(out, lse)``, out ``(b, sq, h, dv)``.
+
+    ``k`` and ``v`` may have fewer heads than ``q`` (GQA); they are repeated here."""
+    groups = q.shape[2] // k.shape[2]
+    p, lse = _probs(q, _repeat_kv(k, groups), scale, mask, None)
+    return torch.einsum("bhqk,bkhd->bqhd", p, _repeat_kv(v, groups)), lse
+
+
+def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   lse: torch.Tensor, delta: torch.Tensor, *, scale: float,
+                   mask: torch.Tensor | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one block given the *final* ``lse`` of the rows and
+    ``delta = rowsum(dout ∘ out)`` (b, h, sq) of the final output (flash-attention 2,
+    algorithm 2): P = exp(S - lse), dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP - delta),
+    dQ = dS K · scale, dK = dSᵀ Q · scale. Returns ``(dq, dk, dv)``; dk and dv have
+    k's (fewer, under GQA) heads."""
+    groups = q.shape[2] // k.shape[2]
+    kr, vr = _repeat_kv(k, groups), _repeat_kv(v, groups)
+    p, _ = _probs(q, kr, scale, mask, lse)
+    dv = torch.einsum("bhqk,bqhd->bkhd", p, dout)
+    dp = torch.einsum("bqhd,bkhd->bhqk", dout, vr)
+    ds = p * (dp - delta.unsqueeze(-1))
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, kr) * scale
+    dk = torch.einsum("bhqk,bqhd->bkhd", ds, q) * scale
+    return dq, _fold_kv(dk, groups), _fold_kv(dv, groups)
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+          block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two partial softmax results over disjoint keys:
+    lse = log(e^lse + e^lse_b), out = out·e^(lse_old - lse) + out_b·e^(lse_b - lse).
+    Rows where both are empty (-inf) stay empty with output 0."""
+    new = torch.logaddexp(lse, block_lse)
+    finite = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
+    old_w = torch.exp(lse - finite).transpose(1, 2).unsqueeze(-1)
+    new_w = torch.exp(block_lse - finite).transpose(1, 2).unsqueeze(-1)
+    return out * old_w + block_out * new_w, new

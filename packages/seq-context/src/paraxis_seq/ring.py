@@ -1,0 +1,224 @@
+"""Ring attention over the ``context`` group (Liu, Zaharia & Abbeel, arXiv:2310.01889).
+
+Each rank keeps its queries; key/value blocks travel around the ring, one hop per step,
+and each rank folds the block it holds into its output through the log-sum-exp
+(:func:`paraxis_seq.blockwise.merge`). The next block's transfer is posted before the
+local block's attention and waited after it, so communication hides behind compute
+when a block's attention takes longer than its transfer.
+
+With zigzag sharding (:mod:`paraxis_seq.zigzag`) the causal work is the same on every
+rank and every step (zhuzilin/ring-flash-attention's ``zigzag_ring_flash_attn``;
+Brandon et al., arXiv:2311.09431): which rows and columns of a block have work is
+planned from true positions by :func:`paraxis_seq.blockwise.plan_block`.
+
+Backward is a ring too, written out in :class:`_RingAttention` (no autograd through
+the loop, no gathered K/V): K/V circulate again, and with each block travels the sum
+of the dK/dV contributions of the ranks it visited; after ``C-1`` hops that sum comes
+home to the block's owner, who adds its own part. Per layer and rank the ring sends
+(C-1)/C of the layer's K/V forward, and as much K/V plus (C-1)/C of dK/dV backward.
+dK/dV travel in the compute dtype (fp32 for bf16 inputs): C partial sums in bf16 would
+lose precision.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from paraxis_seq.blockwise import Block, block_backward, block_forward, compute_dtype, merge
+from paraxis_seq.blockwise import plan_block as _plan_block
+from paraxis_seq.zigzag import check_layout, positions
+
+__all__ = ["DROPOUT_REFUSED", "ring_attention", "step_plan"]
+
+DROPOUT_REFUSED = (
+    "attention dropout is not supported by context-parallel attention: backward recomputes "
+    "each block's probabilities from (q, k, lse), so a dropout mask would have to be "
+    "regenerated bit for bit per (query block, key block), on whichever rank holds the "
+    "pair at that ring step; that needs a counter-based RNG keyed by global positions "
+    "(flash-attention's Philox offsets), which this kernel does not have. Train with "
+    "attention dropout 0 (Llama, Mistral, Qwen do)")
+
+
+@functools.lru_cache(maxsize=4096)
+def step_plan(seq_len: int, size: int, rank: int, src: int, layout: str, causal: bool,
+              window: int | None) -> Block | None:
+    """The block of work of ``rank``'s queries against ``src``'s keys (cached: the same
+    for every layer and step)."""
+    return _plan_block(positions(seq_len, size, rank, layout),
+                       positions(seq_len, size, src, layout), causal=causal, window=window)
+
+
+class _Ring:
+    """Point-to-point exchange with the ring neighbours of one context group: sends go to
+    the next member, receives come from the previous one. Bytes sent and seconds
+    blocked go to the group's CommStats under ``"p2p"``."""
+
+    def __init__(self, group: Any):
+        self.group = group
+        n, i = group.size, group.rank
+        self.next, self.prev = group.ranks[(i + 1) % n], group.ranks[(i - 1) % n]
+
+    def _count(self, nbytes: float, seconds: float, calls: int) -> None:
+        stats = getattr(self.group, "stats", None)
+        if stats is not None:
+            stats.add(self.group.axes, "p2p", nbytes, seconds, calls)
+
+    def start(self, send: list[torch.Tensor], recv: list[torch.Tensor]) -> tuple:
+        """Post every send and receive now. Both sides post in the same order (the
+        receiver's receives match the sender's sends one for one; NCCL has no tags).
+        The handle keeps the sent tensors alive until :meth:`wait`."""
+        pg = self.group.pg
+        ops = [dist.P2POp(dist.irecv, t, self.prev, group=pg) for t in recv]
+        ops += [dist.P2POp(dist.isend, t, self.next, group=pg) for t in send]
+        works = dist.batch_isend_irecv(ops) if ops else []
+        self._count(float(sum(t.numel() * t.element_size() for t in send)), 0.0, len(send))
+        return works, recv, send
+
+    def wait(self, handle: tuple) -> list[torch.Tensor]:
+        works, recv, _ = handle
+        begin = time.perf_counter()
+        for work in works:
+            work.wait()
+        self._count(0.0, time.perf_counter() - begin, 0)
+        return list(recv)
+
+
+def _pack(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    # One message per hop: K and V (or dK and dV) flattened into one buffer.
+    return torch.cat([a.reshape(-1), b.reshape(-1)]).to(dtype or a.dtype).contiguous()
+
+
+def _unpack(buf: torch.Tensor, ka: torch.Size, vb: torch.Size) -> tuple[torch.Tensor, ...]:
+    n = math.prod(ka)
+    return buf[:n].view(ka), buf[n:].view(vb)
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any,
+             spec: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    causal, scale, window, layout = spec
+    n, rank, cd = group.size, group.rank, compute_dtype(q.dtype)
+    b, s, h, _ = q.shape
+    qc = q.to(cd)
+    out = torch.zeros((b, s, h, v.shape[-1]), dtype=cd, device=q.device)
+    lse = torch.full((b, h, s), float("-inf"), dtype=cd, device=q.device)
+    ring, kv = _Ring(group), _pack(k, v)
+    for step in range(n):
+        # Post the next block's transfer first: it flies while this block computes.
+        handle = ring.start([kv], [torch.empty_like(kv)]) if step < n - 1 else None
+        blk = step_plan(s * n, n, rank, (rank - step) % n, layout, causal, window)
+        if blk is not None:
+            kb, vb = _unpack(kv, k.shape, v.shape)
+            mask = None if blk.mask is None else blk.mask.to(q.device)
+            o, lse_b = block_forward(qc[:, blk.rows], kb[:, blk.cols].to(cd),
+                                     vb[:, blk.cols].to(cd), scale=scale, mask=mask)
+            out[:, blk.rows], lse[:, :, blk.rows] = merge(out[:, blk.rows],
+                                                          lse[:, :, blk.rows], o, lse_b)
+        if handle is not None:
+            kv = ring.wait(handle)[0]
+    return out, lse
+
+
+def _block_grads(blk: Block | None, kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 saved: tuple, dq: torch.Tensor, scale: float) -> torch.Tensor:
+    """This rank's dK/dV (packed, compute dtype) for the block it holds; adds into dq."""
+    qc, do, lse, delta = saved
+    dk = torch.zeros(k.shape, dtype=qc.dtype, device=qc.device)
+    dv = torch.zeros(v.shape, dtype=qc.dtype, device=qc.device)
+    if blk is not None:
+        kb, vb = _unpack(kv, k.shape, v.shape)
+        r, c = blk.rows, blk.cols
+        mask = None if blk.mask is None else blk.mask.to(qc.device)
+        dq_b, dk[:, c], dv[:, c] = block_backward(
+            do[:, r], qc[:, r], kb[:, c].to(qc.dtype), vb[:, c].to(qc.dtype), lse[:, :, r],
+            delta[:, :, r], scale=scale, mask=mask)
+        dq[:, r] += dq_b
+    return _pack(dk, dv)
+
+
+def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              out: torch.Tensor, lse: torch.Tensor, group: Any,
+              spec: tuple) -> tuple[torch.Tensor, ...]:
+    causal, scale, window, layout = spec
+    n, rank, cd = group.size, group.rank, compute_dtype(q.dtype)
+    qc, do = q.to(cd), dout.to(cd)
+    delta = (do * out).sum(-1).transpose(1, 2)  # rowsum(dO ∘ O), (b, h, s)
+    saved, dq = (qc, do, lse, delta), torch.zeros_like(qc)
+    ring, kv = _Ring(group), _pack(k, v)
+    grad_size = k.numel() + v.numel()
+    own, sends = None, []
+    for step in range(n):
+        # Receives from the previous rank, in the order it sent: the dK/dV sum for the
+        # block we are about to get (it sent that at the end of its last step), then
+        # the next K/V (sent at the start of this step).
+        more, incoming = step < n - 1, step >= 2
+        recv = [torch.empty(grad_size, dtype=cd, device=q.device)] if incoming else []
+        recv += [torch.empty_like(kv)] if more else []
+        handle = ring.start([kv] if more else [], recv)
+        blk = step_plan(q.shape[1] * n, n, rank, (rank - step) % n, layout, causal, window)
+        grad = _block_grads(blk, kv, k, v, saved, dq, scale)
+        got = ring.wait(handle)
+        if step == 0:
+            own = grad  # our own block's part: it stays here
+        else:
+            # The block's travelling sum moves on; after step n-1 the next rank is home.
+            sends.append(ring.start([got.pop(0) + grad if incoming else grad], []))
+        if more:
+            kv = got.pop(0)
+    if n > 1:
+        own = own + ring.wait(ring.start([], [torch.empty(grad_size, dtype=cd,
+                                                          device=q.device)]))[0]
+    for handle in sends:
+        ring.wait(handle)
+    dk, dv = _unpack(own, k.shape, v.shape)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any,
+                spec: tuple) -> torch.Tensor:
+        out, lse = _forward(q, k, v, group, spec)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.spec = group, spec
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*_backward(dout, q, k, v, out, lse, ctx.group, ctx.spec), None, None)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Any,
+                   causal: bool = True, scale: float | None = None,
+                   window: int | None = None, layout: str = "zigzag",
+                   dropout: float = 0.0) -> torch.Tensor:
+    """Attention of this rank's queries over the whole sequence, sharded over ``group``.
+
+    ``q`` is ``(b, s/C, h, d)``, ``k`` and ``v`` ``(b, s/C, h_kv, d)`` with ``h_kv``
+    dividing ``h`` (GQA: query head i uses kv head ``i // (h / h_kv)``); every rank holds
+    its shard of the sequence in ``layout`` (:mod:`paraxis_seq.zigzag`). ``window``: a
+    causal sliding window of that many keys (transformers' ``sliding_window``).
+    Returns ``(b, s/C, h, d_v)`` in q's dtype. Collective over ``group``.
+    """
+    if dropout:
+        raise ValueError(DROPOUT_REFUSED + f" (dropout={dropout})")
+    if q.dim() != 4 or k.shape[:-1] != v.shape[:-1] or k.shape[:2] != q.shape[:2]:
+        raise ValueError(f"expected q (b, s, h, d) and k, v (b, s, h_kv, d) with the same b "
+                         f"and s; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"{q.shape[2]} query heads are not a multiple of {k.shape[2]} "
+                         "kv heads")
+    if window is not None and (not causal or window < 1):
+        raise ValueError(f"a sliding window (got {window}) needs causal=True and window "
+                         ">= 1: transformers' bidirectional window and flash-attention "
+                         "disagree on its edge, and no causal LM here needs it")
+    check_layout(q.shape[1] * group.size, group.size, layout)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _RingAttention.apply(q, k, v, group, (bool(causal), scale, window, layout))
