@@ -8,11 +8,13 @@ from paraxis_moe.experts import ExpertParallelExperts, UnsupportedMoELayout, sha
 from paraxis_moe.layer import ExpertParallel
 from paraxis_moe.router import RouterLosses
 from paraxis_moe.stats import LayerStats, MoEStats
+from paraxis_moe.strategy import ExpertParallelStrategy
 
 __all__ = [
     "AllToAllDispatcher",
     "ExpertParallel",
     "ExpertParallelExperts",
+    "ExpertParallelStrategy",
     "LayerStats",
     "MoEConfig",
     "MoEStats",

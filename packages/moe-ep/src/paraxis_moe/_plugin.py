@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from paraxis.errors import Problem
 from paraxis.hookspecs import hookimpl
+from paraxis.strategy import Strategy
+
+
+@hookimpl
+def paraxis_register_strategies(register: Callable[[type[Strategy]], None]) -> None:
+    from paraxis_moe.strategy import ExpertParallelStrategy
+
+    register(ExpertParallelStrategy)
 
 
 @hookimpl
