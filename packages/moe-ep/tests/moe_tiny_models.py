@@ -12,6 +12,17 @@ FAMILIES = {
                       num_experts_per_tok=2, shared_expert_intermediate_size=64),
     "qwen3_moe": dict(intermediate_size=64, moe_intermediate_size=48, num_experts=4,
                       num_experts_per_tok=2, head_dim=8, norm_topk_prob=True),
+    # Biases, transposed (E, h, 2I) interleaved gate/up, its own clamped SwiGLU; the
+    # router has a bias and takes top-k of logits before the softmax.
+    "gpt_oss": dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                    head_dim=8, layer_types=["full_attention"] * 2),
+    # Sigmoid gates with e_score_correction_bias, grouped top-k, routed scaling, a
+    # shared expert, float32 routing weights.
+    "deepseek_v3": dict(intermediate_size=64, moe_intermediate_size=48, n_routed_experts=4,
+                        num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=0,
+                        n_shared_experts=1, kv_lora_rank=16, q_lora_rank=16,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8),
+    "olmoe": dict(intermediate_size=48, num_experts=4, num_experts_per_tok=2),
 }
 NUM_EXPERTS, TOP_K, HIDDEN = 4, 2, 32
 
@@ -21,8 +32,10 @@ def build(family, layers=1, seed=0, **overrides):
     which transformers initializes to zero)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(family, num_hidden_layers=layers,
-                                  **{**COMMON, **FAMILIES[family], **overrides})
+    kwargs = {**COMMON, **FAMILIES[family], **overrides}
+    if "layer_types" in kwargs:
+        kwargs["layer_types"] = kwargs["layer_types"][:1] * layers
+    config = AutoConfig.for_model(family, num_hidden_layers=layers, **kwargs)
     model = AutoModelForCausalLM.from_config(config)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -23,7 +23,8 @@ LAYERS, B, S = 2, 2, 8
 
 
 def _router_params(model):
-    return [p for name, p in model.named_parameters() if name.endswith("mlp.gate.weight")]
+    return [p for name, p in model.named_parameters()
+            if ".mlp.gate." in name or ".mlp.router." in name]
 
 
 def losses_parity(family, z_coef, data):
@@ -79,7 +80,7 @@ def losses_parity(family, z_coef, data):
 
 
 @pytest.mark.parametrize(("n", "data"), [(2, 1), (4, 1), (4, 2)])
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "olmoe"])
 def test_loss_parts_sum_to_the_models_own_loss(worlds, n, data, family):
     out = worlds.run(n, losses_parity, family, 1e-3, data)
     worst = {k: max(o[k] for o in out) for k in out[0]}

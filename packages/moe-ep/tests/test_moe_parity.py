@@ -1,6 +1,6 @@
-"""One MoE block of tiny Mixtral, Qwen2-MoE and Qwen3-MoE with its experts sharded over
-expert=2 and expert=4 gloo ranks, each rank holding its own tokens, against the
-unsharded block run in one process on every rank's tokens concatenated: outputs, input
+"""One MoE block of tiny Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS and DeepSeek-V3 with its
+experts sharded over expert=2 and expert=4 gloo ranks, each rank holding its own tokens,
+against the unsharded block run in one process on every rank's tokens concatenated: outputs, input
 gradients and the gradient of every parameter (expert shards gathered, replicated ones
 summed over ranks), dropless and with capacity; and the dispatch bytes."""
 
@@ -113,6 +113,10 @@ CASES = [
     ("mixtral", 0.5, "probs", "grouped_mm", F32),
     ("qwen2_moe", 0.5, "probs", "eager", F64),
     ("qwen3_moe", 0.75, "position", "grouped_mm", F32),
+    ("gpt_oss", None, "probs", "grouped_mm", F32),
+    ("gpt_oss", 0.5, "position", "eager", F64),
+    ("deepseek_v3", None, "probs", "grouped_mm", F32),
+    ("deepseek_v3", 0.75, "probs", "eager", F32),  # its router computes in fp32 always
 ]
 
 
