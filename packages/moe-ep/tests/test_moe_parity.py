@@ -173,3 +173,34 @@ def test_dispatch_bytes_match_formula(worlds, n):
         assert rank["comm_total"] == 2 * pair + counts
         assert rank["dispatch_s"] > 0 and rank["compute_s"] > 0
     print(f"ep={n}: {pair:.0f} bytes per rank per forward pair (formula {pair:.0f})")
+
+
+def idle_ranks(implementation):
+    """Every token picks experts 0 and 1: the ranks owning neither receive no rows, yet
+    must join backward's mirrored exchanges; their experts get zero gradients."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    grid = Grid.build({"expert": n})
+    model = build("mixtral")
+    model.set_experts_implementation(implementation)
+    ref = copy.deepcopy(model).get_submodule(BLOCK).experts
+    ExpertParallel(model, [BLOCK], grid.group("expert"), token_group=grid.group("expert"))
+    experts = model.get_submodule(BLOCK).experts
+    index = torch.tensor([[0, 1]] * 8)
+    weights = torch.full((8, 2), 0.5)
+    hidden = torch.randn(8, HIDDEN, generator=torch.Generator().manual_seed(r))
+    want = ref(hidden, index, weights)
+    x = hidden.clone().requires_grad_(True)
+    got = experts(x, index, weights)
+    got.square().sum().backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    idle = r * NUM_EXPERTS // n >= 2
+    grads = [p.grad for p in experts.parameters()]
+    assert all(g is not None for g in grads)
+    assert all(bool((g == 0).all()) == idle for g in grads)
+    grid.destroy()
+    return idle
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "eager"])
+def test_ranks_without_tokens_still_join_backward(worlds, implementation):
+    assert worlds.run(4, idle_ranks, implementation) == [False, False, True, True]
