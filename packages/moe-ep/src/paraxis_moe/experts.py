@@ -1,0 +1,194 @@
+"""Expert parallel experts: the model's own experts module, holding only this rank's
+experts, reached by all-to-all.
+
+The seam is the experts module of transformers 5.x (``@use_experts_implementation``):
+``experts(hidden_states, top_k_index, top_k_weights)`` with fused tensors whose dim 0
+is the expert (``gate_up_proj``, ``down_proj``, and biases where the family has them).
+The block, its router and anything around them (shared experts, scaling factors) stay
+the model's code, so the gating semantics stay the model's own.
+
+:func:`shard_experts` slices dim 0 of every fused tensor to this rank's ``E / ep``
+experts, updating their placement records in the same step, and swaps the module's
+class for a subclass whose forward dispatches (the class swap is how FSDP2's
+``fully_shard`` turns a module into an ``FSDPModule``: parameter names, the state dict
+and the model's own methods are unchanged). The local experts then run through the
+class's own forward on local expert ids with unit weights, the routing weights being
+applied on the sender after the combine (as Megatron-Core's dispatcher and transformers'
+``AllToAllEP``): the family's activation, ``_apply_gate``, biases, transposed layout and
+post-expert norm are the model's code, and ``config._experts_implementation`` picks how
+(``grouped_mm``, transformers' default: one ``torch._grouped_mm`` per projection over
+the local expert set, which torch 2.13 runs on CPU for fp32/bf16 with 16-byte aligned
+rows; ``eager``: a loop over the local experts hit, never over tokens).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from paraxis.config import AXES
+from paraxis.grid import AxisGroup
+from paraxis.placement import Placement, has_placement, placement_of, set_placement
+from paraxis_moe.capacity import expert_capacity, keep_mask
+from paraxis_moe.config import MoEConfig
+from paraxis_moe.dispatcher import AllToAllDispatcher, Dispatched
+from paraxis_moe.stats import BackwardTimer, LayerStats
+
+__all__ = ["ExpertParallelExperts", "UnsupportedMoELayout", "check_experts", "shard_experts"]
+
+
+class UnsupportedMoELayout(ValueError):
+    """A mixture-of-experts module whose layout paraxis does not know how to shard."""
+
+
+def check_experts(experts: Any, name: str) -> None:
+    """Refuse, naming the module, anything but fused per-expert tensors behind the
+    ``experts(hidden_states, top_k_index, top_k_weights)`` interface."""
+    cls = type(experts).__name__
+    if not isinstance(experts, nn.Module):
+        raise UnsupportedMoELayout(f"{name}: expected an experts module, found {cls}")
+    if not hasattr(experts, "has_gate") or not isinstance(getattr(experts, "num_experts", None),
+                                                          int):
+        raise UnsupportedMoELayout(
+            f"{name} ({cls}) is not a transformers 5.x `@use_experts_implementation` experts "
+            "module with fused (num_experts, ...) tensors; paraxis cannot shard it over the "
+            "expert axis. Use a transformers version whose model has one, or set expert: 1")
+    nested = [n for n, _ in experts.named_parameters() if "." in n]
+    wrong = [n for n, p in experts.named_parameters(recurse=False)
+             if p.dim() == 0 or p.shape[0] != experts.num_experts]
+    if nested or wrong:
+        raise UnsupportedMoELayout(
+            f"{name} ({cls}): parameters {nested + wrong} are not stacked per expert along "
+            f"dim 0 (num_experts={experts.num_experts}); paraxis cannot shard them")
+
+
+class ExpertParallelExperts(nn.Module):
+    """Mixin put in front of the model's experts class by :func:`shard_experts`."""
+
+    dispatcher: AllToAllDispatcher
+    moe: MoEConfig
+    stats: LayerStats | None
+    # False while activation checkpointing recomputes: the exchanges still run (and
+    # their bytes count) but the routing counts are not added twice.
+    recording: bool
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        num_tokens, k = top_k_index.shape
+        e = self.dispatcher.num_experts
+        keep = None
+        if self.moe.capacity_factor is not None:
+            cap = expert_capacity(num_tokens, k, e, self.moe.capacity_factor,
+                                  self.moe.min_capacity)
+            keep = keep_mask(top_k_index, top_k_weights, e, cap, self.moe.drop_policy)
+        timer, moved = None, {}
+        if self.stats is not None and hidden_states.requires_grad:
+            timer = BackwardTimer(lambda label, s: self._backward_segment(label, s, moved))
+        d = self.dispatcher.dispatch(hidden_states, top_k_index, keep, timer)
+        moved.update(total=d.bytes_out, per_expert=d.bytes_per_expert())
+        start = time.perf_counter()
+        out = self._local_experts(d)
+        compute_s = time.perf_counter() - start
+        y, combine_s = self.dispatcher.combine(out, d, top_k_weights, keep, timer)
+        if self.stats is not None:
+            self._record(d, top_k_index, compute_s, d.seconds + combine_s)
+        return y.to(hidden_states.dtype)
+
+    def _local_experts(self, d: Dispatched) -> torch.Tensor:
+        """The model's own experts forward on this rank's rows (local ids, unit weights)."""
+        tokens = d.tokens
+        ids = d.local_ids.unsqueeze(-1)
+        out = super().forward(tokens, ids, torch.ones(ids.shape, dtype=tokens.dtype,
+                                                      device=tokens.device))
+        if tokens.shape[0] == 0 and tokens.requires_grad:
+            # Keep empty rows on the graph: backward's mirrored exchanges are collective,
+            # so every rank must reach them, and the experts get zero (not no) gradients.
+            params = sum(p.sum() for p in self.parameters(recurse=False))
+            out = tokens * 0.0 + params * 0.0
+        return out
+
+    def _record(self, d: Dispatched, top_k_index: torch.Tensor, compute_s: float,
+                exchange_s: float) -> None:
+        stats = self.stats
+        assert stats is not None
+        stats.add("dispatch_bytes", d.bytes_out)
+        stats.add("bytes_per_expert", d.bytes_per_expert())
+        stats.add("dispatch_s", exchange_s)
+        stats.add("expert_compute_s", compute_s)
+        if not self.recording:
+            return
+        assigned = torch.bincount(top_k_index.reshape(-1), minlength=self.dispatcher.num_experts)
+        first, last = self.dispatcher.local_range()
+        processed = torch.zeros_like(assigned)
+        processed[first:last] = d.recv_counts.sum(0)
+        stats.add("assigned", assigned)
+        stats.add("accepted", d.sent_per_expert)
+        stats.add("dropped", assigned - d.sent_per_expert)
+        stats.add("processed", processed)
+        stats.add("forwards", 1)
+
+    def _backward_segment(self, label: str, seconds: float, moved: dict[str, Any]) -> None:
+        stats = self.stats
+        if stats is None:
+            return
+        if label == "compute":
+            stats.add("expert_compute_s", seconds)
+            return
+        stats.add("dispatch_s", seconds)
+        if label == "combine":
+            # Backward's two mirrored exchanges move the forward's bytes again; the
+            # combine's runs first, so both are counted there.
+            stats.add("dispatch_bytes", moved["total"])
+            stats.add("bytes_per_expert", moved["per_expert"])
+
+    def extra_repr(self) -> str:
+        first, last = self.dispatcher.local_range()
+        return (f"experts [{first}, {last}) of {self.dispatcher.num_experts} on expert rank "
+                f"{self.dispatcher.group.rank}/{self.dispatcher.group.size}, "
+                f"capacity_factor={self.moe.capacity_factor}")
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _expert_parallel_class(cls: type) -> type:
+    if issubclass(cls, ExpertParallelExperts):
+        return cls
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallelExperts, cls), {})
+    return _CLASSES[cls]
+
+
+def shard_experts(experts: nn.Module, group: AxisGroup, *, moe: MoEConfig | None = None,
+                  stats: LayerStats | None = None, name: str = "experts",
+                  ) -> ExpertParallelExperts:
+    """Keep this rank's ``E / ep`` experts of ``experts`` and dispatch to the others.
+
+    ``name`` is the module's qualified name, for errors and for placement records of
+    parameters that have none yet. Every rank of ``group`` must call it.
+    """
+    check_experts(experts, name)
+    if isinstance(experts, ExpertParallelExperts):
+        raise UnsupportedMoELayout(f"{name} is already expert parallel")
+    dispatcher = AllToAllDispatcher(group, experts.num_experts)
+    first, last = dispatcher.local_range()
+    for pname, param in list(experts.named_parameters(recurse=False)):
+        record = placement_of(param) if has_placement(param) else Placement(
+            f"{name}.{pname}", tuple(param.shape), param.dtype,
+            replicated=tuple(a for a in AXES if a != "pipeline"))
+        local = nn.Parameter(param.detach()[first:last].clone(),
+                             requires_grad=param.requires_grad)
+        set_placement(local, record.sharded(dim=0, axis="expert", offset=first,
+                                            length=last - first))
+        setattr(experts, pname, local)
+    experts.__class__ = _expert_parallel_class(type(experts))
+    experts.num_global_experts = experts.num_experts
+    experts.num_experts = last - first  # what the model's own forward loops / bins over
+    experts.dispatcher = dispatcher
+    experts.moe = moe or MoEConfig()
+    experts.stats = stats
+    experts.recording = True
+    return experts  # type: ignore[return-value]

@@ -1,0 +1,100 @@
+"""The router side: the model's own router, watched; its losses, split over ranks.
+
+paraxis never replaces a router. A forward hook on it reads ``output[0]``, the router
+logits (where transformers' own ``OutputRecorder(<Router>, index=0)`` reads them for
+``output_router_logits``), for statistics and for the two losses:
+
+* the Switch load-balancing loss (Fedus et al., arXiv:2101.03961, eq. 4-6) exactly as
+  transformers' ``load_balancing_loss_func`` computes it: the layers' logits are taken
+  together, ``f_i`` = top-k assignments of ``softmax(logits)`` to expert ``i`` over all
+  layers' rows, ``P_i`` = summed probability over the same rows, both divided by the
+  row count (layers x tokens), and the loss is ``E * sum_i f_i * P_i``;
+* the router z-loss (ST-MoE, arXiv:2202.08906, eq. 5): the mean over the same rows of
+  ``logsumexp(logits)^2``.
+
+Over ranks holding distinct tokens (data x expert x context), the global loss needs
+global ``f`` (no gradient: counts, all-reduced) and global row count, while ``P`` is a
+sum of per-rank parts. Each rank's part is ``coef * E * sum_i f_i * P_i^local`` with
+``P_i^local`` = this rank's probability sums / the global row count: the parts sum to
+the global loss, and each part's gradient is exactly this rank's share of the global
+loss's gradient (``f`` carries none). The z-loss splits the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from paraxis.collectives import all_reduce_
+from paraxis_moe.stats import LayerStats
+
+__all__ = ["AUX_LOSS", "Z_LOSS", "RouterLosses", "watch_router"]
+
+AUX_LOSS = "moe/aux_loss"
+Z_LOSS = "moe/z_loss"
+
+
+class RouterLosses:
+    """The router logits of one forward, turned into this rank's loss parts."""
+
+    def __init__(self, num_experts: int, top_k: int, *, aux_coef: float, z_coef: float = 0.0,
+                 group: Any = None):
+        self.num_experts, self.top_k = num_experts, top_k
+        self.aux_coef, self.z_coef = aux_coef, z_coef
+        self.group = group  # the ranks holding distinct tokens (None: this rank alone)
+        self._logits: list[torch.Tensor] = []
+
+    @property
+    def names(self) -> list[str]:
+        return [AUX_LOSS] + ([Z_LOSS] if self.z_coef else [])
+
+    def record(self, logits: torch.Tensor) -> None:
+        self._logits.append(logits.reshape(-1, self.num_experts))
+
+    def parts(self) -> dict[str, torch.Tensor]:
+        """This rank's part of each loss (coefficient applied) for the logits recorded
+        since the last call, which it forgets. Collective over ``group``: one all-reduce
+        of ``E + 1`` numbers."""
+        logits, self._logits = self._logits, []
+        if not logits:
+            return {}
+        e = self.num_experts
+        counts = torch.zeros(e + 1, dtype=torch.float64, device=logits[0].device)
+        prob_sum: torch.Tensor = torch.zeros(e, dtype=torch.float32, device=logits[0].device)
+        lse_sq: torch.Tensor = torch.zeros((), dtype=torch.float32, device=logits[0].device)
+        for layer in logits:
+            # As load_balancing_loss_func: softmax in the logits' dtype, top-k of it.
+            probs = torch.softmax(layer, dim=-1)
+            _, chosen = torch.topk(probs, self.top_k, dim=-1)
+            counts[:e] += torch.bincount(chosen.reshape(-1), minlength=e).double()
+            counts[e] += layer.shape[0]
+            prob_sum = prob_sum + probs.float().sum(0)
+            if self.z_coef:
+                lse_sq = lse_sq + torch.logsumexp(layer.float(), -1).square().sum()
+        if self.group is not None:
+            all_reduce_(counts, self.group)
+        rows = counts[e].item()
+        f = (counts[:e] / rows).to(prob_sum.dtype)
+        parts = {AUX_LOSS: self.aux_coef * e * (f * prob_sum).sum() / rows}
+        if self.z_coef:
+            parts[Z_LOSS] = self.z_coef * lse_sq / rows
+        return parts
+
+
+def watch_router(router: torch.nn.Module, *, stats: LayerStats | None,
+                 losses: RouterLosses | None, recording: Callable[[], bool]) -> Any:
+    """Forward hook on the model's router: its logits go to ``stats`` and ``losses``
+    while ``recording()`` (off during activation recomputation). Returns the handle."""
+
+    def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not recording():
+            return
+        logits = output[0] if isinstance(output, tuple) else output
+        if stats is not None:
+            stats.add_router(logits)
+        if losses is not None:
+            losses.record(logits)
+
+    return router.register_forward_hook(hook)

@@ -1,0 +1,183 @@
+"""Per-layer, per-expert statistics of every step, logged rather than averaged away.
+
+For each MoE block and expert: (token, expert) pairs assigned before capacity, accepted,
+dropped, rows computed here, bytes moved for it; for each block: seconds blocked in the
+dispatch/combine all-to-alls and spent in the local experts (forward and backward), and
+the router's probability distribution (mean probability per expert, entropy, histogram).
+
+Bytes follow core's all-to-all convention (what this rank sends to *other* ranks; rows
+it keeps never touch a link). Forward moves the dispatched rows out and the computed rows
+back; backward moves the same number of rows again, mirrored, and is counted when it
+runs. Backward seconds are taken between identity autograd nodes placed around each
+segment (:func:`probe`); on one autograd thread the segment's own node runs between them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["BackwardTimer", "LayerStats", "MoEStats", "probe"]
+
+HIST_BINS = 10
+# Reduced by sum over the ranks holding distinct tokens; the rest by max.
+_SUMMED = ("assigned", "accepted", "dropped", "processed", "bytes_per_expert", "prob_sum",
+           "hist", "entropy_sum", "tokens", "forwards")
+_MAXED = ("dispatch_bytes", "dispatch_s", "expert_compute_s")
+
+
+class _Probe(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, callback: Callable[[], None]) -> torch.Tensor:
+        ctx.callback = callback
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        ctx.callback()
+        return grad, None
+
+
+def probe(x: torch.Tensor, callback: Callable[[], None]) -> torch.Tensor:
+    """Identity; ``callback()`` runs when the gradient reaches this point."""
+    return _Probe.apply(x, callback) if x.requires_grad else x
+
+
+class BackwardTimer:
+    """Points placed in forward order; in backward, the seconds since the later point
+    fired are credited to the earlier point's segment (``on_segment(label)``)."""
+
+    def __init__(self, on_segment: Callable[[str, float], None]):
+        self.on_segment = on_segment
+        self._last: float | None = None
+
+    def point(self, x: torch.Tensor, label: str | None) -> torch.Tensor:
+        def fired() -> None:
+            now = time.perf_counter()
+            if label is not None and self._last is not None:
+                self.on_segment(label, now - self._last)
+            self._last = now
+        return probe(x, fired)
+
+
+@dataclass
+class LayerStats:
+    """One MoE block's numbers on this rank since the last reset (float64 vectors)."""
+
+    num_experts: int
+    values: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        e = self.num_experts
+        self.values = {
+            **{k: torch.zeros(e, dtype=torch.float64)
+               for k in ("assigned", "accepted", "dropped", "processed", "bytes_per_expert",
+                         "prob_sum")},
+            "hist": torch.zeros(HIST_BINS, dtype=torch.float64),
+            **{k: torch.zeros(1, dtype=torch.float64) for k in
+               ("entropy_sum", "tokens", "forwards", *_MAXED)},
+        }
+
+    def add(self, name: str, value: Any) -> None:
+        v = value.detach().to("cpu", torch.float64) if torch.is_tensor(value) else value
+        self.values[name] += v
+
+    def add_router(self, logits: torch.Tensor) -> None:
+        """The router's distribution: softmax over its logits (the distribution the
+        Switch loss uses), for every family."""
+        with torch.no_grad():
+            probs = torch.softmax(logits.detach().reshape(-1, logits.shape[-1]).float(), -1)
+            entropy = -(probs * probs.clamp_min(1e-30).log()).sum()
+            self.add("prob_sum", probs.sum(0))
+            self.add("entropy_sum", entropy)
+            self.add("tokens", probs.shape[0])
+            self.add("hist", torch.histc(probs, bins=HIST_BINS, min=0.0, max=1.0))
+
+
+class MoEStats:
+    """Every block's :class:`LayerStats`, reduced into one step's metrics."""
+
+    def __init__(self, num_experts: int, names: list[str]):
+        self.num_experts = num_experts
+        self.layers = {name: LayerStats(num_experts) for name in names}
+
+    def reset(self) -> None:
+        for layer in self.layers.values():
+            layer.reset()
+
+    def reduce(self, group: Any = None) -> dict[str, dict[str, torch.Tensor]]:
+        """Every layer's values, summed (counts) or maxed (bytes, seconds per rank)
+        over ``group`` (an AxisGroup of the ranks holding distinct tokens; None: this
+        rank only). Collective over the group."""
+        layouts = [[(n, k, self.layers[n].values[k].numel()) for n in sorted(self.layers)
+                    for k in keys] for keys in (_SUMMED, _MAXED)]
+        flats = [torch.cat([self.layers[n].values[k] for n, k, _ in layout])
+                 if layout else torch.zeros(0, dtype=torch.float64) for layout in layouts]
+        if group is not None and group.size > 1:
+            dist.all_reduce(flats[0], group=group.pg)
+            dist.all_reduce(flats[1], op=dist.ReduceOp.MAX, group=group.pg)
+        out: dict[str, dict[str, torch.Tensor]] = {n: {} for n in self.layers}
+        for layout, flat in zip(layouts, flats, strict=True):
+            for (n, k, _), part in zip(layout, flat.split([size for *_, size in layout]),
+                                       strict=True):
+                out[n][k] = part
+        return out
+
+    def metrics(self, group: Any = None) -> dict[str, float]:
+        """Step metrics (the same on every rank of ``group``), then reset."""
+        reduced = self.reduce(group)
+        self.reset()
+        return summarize(reduced)
+
+
+def summarize(reduced: dict[str, dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Totals (``moe/...``) and the per-layer, per-expert detail (``moe/<block>/...``)."""
+    out: dict[str, float] = {}
+    totals = {k: 0.0 for k in ("assigned", "dropped", "entropy", "tokens", "bytes", "dispatch_s",
+                               "compute_s")}
+    imbalance = 0.0
+    for name, v in reduced.items():
+        assigned = v["assigned"]
+        mean = float(assigned.mean())
+        layer_imbalance = float(assigned.max()) / mean if mean > 0 else 0.0
+        imbalance = max(imbalance, layer_imbalance)
+        tokens = float(v["tokens"])
+        for e in range(assigned.numel()):
+            for k in ("assigned", "accepted", "dropped", "processed"):
+                out[f"moe/{name}/{k}/{e}"] = float(v[k][e])
+            out[f"moe/{name}/dispatch_bytes/{e}"] = float(v["bytes_per_expert"][e])
+            out[f"moe/{name}/prob_mean/{e}"] = float(v["prob_sum"][e]) / tokens if tokens else 0.0
+        for b in range(v["hist"].numel()):
+            out[f"moe/{name}/prob_hist/{b}"] = float(v["hist"][b])
+        out[f"moe/{name}/load_imbalance"] = layer_imbalance
+        out[f"moe/{name}/router_entropy"] = float(v["entropy_sum"]) / tokens if tokens else 0.0
+        for k in _MAXED:
+            out[f"moe/{name}/{k}"] = float(v[k])
+        totals["assigned"] += float(assigned.sum())
+        totals["dropped"] += float(v["dropped"].sum())
+        totals["entropy"] += float(v["entropy_sum"])
+        totals["tokens"] += tokens
+        totals["bytes"] += float(v["dispatch_bytes"])
+        totals["dispatch_s"] += float(v["dispatch_s"])
+        totals["compute_s"] += float(v["expert_compute_s"])
+    assigned = totals["assigned"]
+    out.update({
+        "moe/tokens_assigned": assigned,
+        "moe/tokens_dropped": totals["dropped"],
+        "moe/dropped_fraction": totals["dropped"] / assigned if assigned else 0.0,
+        "moe/load_imbalance": imbalance,
+        "moe/router_entropy": totals["entropy"] / totals["tokens"] if totals["tokens"] else 0.0,
+        # Per rank, the busiest rank of each layer, summed over layers.
+        "moe/dispatch_bytes": totals["bytes"],
+        "moe/dispatch_s": totals["dispatch_s"],
+        "moe/expert_compute_s": totals["compute_s"],
+    })
+    return out
