@@ -1,4 +1,4 @@
-"""The ``paraxis`` command line: ``validate`` and ``train``."""
+"""The ``paraxis`` command line: ``validate``, ``train`` and ``plan``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from paraxis.errors import ConfigError
+from paraxis.planner.cli import add_plan_parser
 from paraxis.plugins import make_plugin_manager
 from paraxis.run_config import RunConfig
 from paraxis.strategy import missing_axes, resolve_strategies
@@ -92,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--config", required=True, help="YAML run configuration")
     tr.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=50")
     tr.set_defaults(func=_cmd_train)
+    add_plan_parser(sub)
     make_plugin_manager().hook.paraxis_cli_commands(subparsers=sub)
     return parser
 

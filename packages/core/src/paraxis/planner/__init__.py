@@ -16,6 +16,7 @@ from paraxis.planner.evaluate import Plan, evaluate, make_layout, problems
 from paraxis.planner.inputs import Hardware, Workload
 from paraxis.planner.memory import layer_activation_bytes, model_state_bytes
 from paraxis.planner.model import ModelCounts, build_on_meta, count_model, load_model_source
+from paraxis.planner.search import Ranking, search
 from paraxis.planner.units import PlanInputError
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "ModelCounts",
     "Plan",
     "PlanInputError",
+    "Ranking",
     "Workload",
     "build_on_meta",
     "count_model",
@@ -32,4 +34,5 @@ __all__ = [
     "make_layout",
     "model_state_bytes",
     "problems",
+    "search",
 ]
