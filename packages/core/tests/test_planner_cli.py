@@ -87,3 +87,14 @@ def test_unknown_model_type_is_one_line(capsys, tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "no_such_model", "hidden_size": 8}')
     code, _, err = run(capsys, "--model", tmp_path)
     assert code == 1 and "model_type 'no_such_model'" in err and err.count("\n") == 1
+
+
+def test_validate_warns_when_the_plan_does_not_fit(capsys, tiny_yaml):
+    code = main(["validate", "--config", str(tiny_yaml), "--device-memory", "1MB"])
+    out, err = capsys.readouterr()
+    assert code == 0 and "valid" in out
+    assert "warning:" in err and "the largest term is" in err
+    assert main(["validate", "--config", str(tiny_yaml), "--device-memory", "80GB"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert main(["validate", "--config", str(tiny_yaml), "--device-memory", "lots"]) == 1
+    assert "--device-memory 'lots'" in capsys.readouterr().err

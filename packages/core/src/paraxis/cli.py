@@ -50,6 +50,25 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     names = ", ".join(f"{s.axis} ({s.phase.name.lower()})" for s in strategies) or "none"
     print(f"{args.config}: valid. world size {config.world_size} ({degrees}); "
           f"strategies: {names}")
+    if args.device_memory:
+        return _warn_if_too_big(config, args)
+    return 0
+
+
+def _warn_if_too_big(config: RunConfig, args: argparse.Namespace) -> int:
+    """Warn (exit 0) when the planner says the layout will not fit the device."""
+    from paraxis.planner.cli import fit_warning
+    from paraxis.planner.units import PlanInputError
+
+    try:
+        warning = fit_warning(config, device_memory=args.device_memory, model=args.model)
+    except PlanInputError as exc:
+        if "--device-memory" in str(exc):
+            print(f"{args.config}: {exc}", file=sys.stderr)
+            return 1
+        warning = f"cannot plan memory: {exc}"
+    if warning:
+        print(f"{args.config}: warning: {warning}", file=sys.stderr)
     return 0
 
 
@@ -87,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("--model", help="model config: config.json, or YAML with a model: section")
     val.add_argument("--world-size", type=int, default=None,
                      help="check against this many processes")
+    val.add_argument("--device-memory", help="warn when the plan says a rank needs more "
+                     "than this, e.g. 80GB")
     val.add_argument("overrides", nargs="*", help="section.key=value")
     val.set_defaults(func=_cmd_validate)
     tr = sub.add_parser("train", help=_cmd_train.__doc__)

@@ -1,4 +1,5 @@
-"""``paraxis plan``: evaluate a layout (degrees given) or search all of them (omitted).
+"""``paraxis plan``: evaluate a layout (degrees given) or search all of them (omitted),
+and ``paraxis validate --device-memory``'s fit warning.
 
 Bad input is one line on stderr and exit code 1, never a traceback.
 """
@@ -28,7 +29,7 @@ from paraxis.planner.units import (
     parse_flops,
 )
 
-__all__ = ["add_plan_parser", "run_plan"]
+__all__ = ["add_plan_parser", "fit_warning", "run_plan"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1")
 
@@ -219,3 +220,38 @@ def _run(args: argparse.Namespace) -> int:
     if args.explain:
         print("\n" + explain(plan))
     return 0
+
+
+def fit_warning(config: Any, *, device_memory: str, model: str | None = None) -> str | None:
+    """For ``paraxis validate --device-memory``: a warning naming the largest term when
+    the plan says the run's layout will not fit, else None. Raises PlanInputError on an
+    unreadable memory size or a model that cannot be built."""
+    cap = parse_bytes(device_memory)
+    if model:
+        counts, _ = _load_counts(model, config.train.seq_length)
+    else:
+        from paraxis.planner.model import ModelSource
+        from paraxis.plugins import make_plugin_manager
+
+        source = ModelSource(config.model.family, dict(config.model.config), "model:", {})
+        counts = count_model(build_on_meta(source, make_plugin_manager()), source.family,
+                             config.train.seq_length)
+    par, m = config.parallelism, config.schedule.microbatches
+    micro = max(1, config.train.global_batch // (par.data * par.expert * m))
+    work = Workload(seq=config.train.seq_length, global_batch=config.train.global_batch,
+                    micro_batch=micro, precision="mixed" if config.train.bf16 else "fp32")
+    plan = evaluate(counts, config, work, Hardware(device_memory=cap), simulate=False)
+    worst = plan.worst
+    if worst.total <= cap:
+        return None
+    term, size = worst.largest
+    fixes = {"activations": "recompute (schedule.activation_checkpointing), sequence "
+             "parallelism or a smaller micro-batch",
+             "optimizer": "parallelism.zero >= 1 or more data-parallel ranks",
+             "gradients": "parallelism.zero >= 2, tensor or pipeline parallelism",
+             "parameters": "tensor or pipeline parallelism, or parallelism.zero: 3",
+             "buffers": "a smaller parallelism.bucket_mb"}
+    return (f"the plan says pipeline stage {worst.stage} needs {fmt_bytes(worst.total)} per "
+            f"device, more than {fmt_bytes(cap)}; the largest term is {term} "
+            f"({fmt_bytes(size)}): try {fixes[term]} (paraxis plan --model ... shows "
+            "the breakdown)")
