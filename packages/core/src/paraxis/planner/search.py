@@ -60,8 +60,9 @@ def grids(world: int, fixed: dict[str, int], *, experts: bool = True,
     yield from assign(0, rest, base)
 
 
-def _option_sets(degrees: dict[str, int], fixed: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    zeros = [0, 1] if degrees["pipeline"] > 1 else [0, 1, 2, 3]
+def _option_sets(degrees: dict[str, int], fixed: dict[str, Any], max_zero: int = 3,
+                 ) -> Iterator[dict[str, Any]]:
+    zeros = list(range(min(max_zero, 1 if degrees["pipeline"] > 1 else 3) + 1))
     sps = [False, True] if degrees["tensor"] > 1 else [False]
     seen = set()
     for zero, recompute, sp in itertools.product(zeros, RECOMPUTE, sps):
@@ -83,12 +84,12 @@ class Ranking:
 
 
 def best_for_grid(counts: ModelCounts, degrees: dict[str, int], options: dict[str, Any],
-                  work: Workload, hw: Hardware, pm: Any = None,
+                  work: Workload, hw: Hardware, pm: Any = None, max_zero: int = 3,
                   ) -> tuple[Plan | None, Plan | None, bool]:
     """(fastest fitting plan, smallest plan seen, whether any option set was valid)."""
     best = smallest = None
     valid = False
-    for opts in _option_sets(degrees, options):
+    for opts in _option_sets(degrees, options, max_zero):
         try:
             layout = make_layout(degrees, opts, work)
         except ValueError:
@@ -145,8 +146,10 @@ def seed_order(counts: ModelCounts, work: Workload, hw: Hardware, *, world: int,
                ) -> Plan | None:
     """The seeds' procedure: the smallest tensor degree inside a node for which a layer
     fits; then the fewest pipeline stages for which the whole fits, with as many experts
-    per node as divide the rest; the remaining ranks data. Context parallelism is not in
-    the procedure (degree 1 unless fixed)."""
+    per node as divide the rest; the remaining ranks data. Pipeline stages, not sharded
+    weights, make the state fit here, so ZeRO stops at stage 1 (the optimizer state;
+    Megatron's distributed optimizer). Context parallelism is not in the procedure
+    (degree 1 unless fixed)."""
     node = min(hw.gpus_per_node, world)
     tensors = [fixed["tensor"]] if "tensor" in fixed else [
         t for t in _divisors(node) if world % t == 0]
@@ -167,7 +170,8 @@ def seed_order(counts: ModelCounts, work: Workload, hw: Hardware, *, world: int,
                    "data": rest // e if rest % e == 0 else 0}
         if degrees["data"] < 1 or ("data" in fixed and fixed["data"] != degrees["data"]):
             continue
-        best, _, _ = best_for_grid(counts, degrees, options, work, hw, plugin_manager)
+        best, _, _ = best_for_grid(counts, degrees, options, work, hw, plugin_manager,
+                                   max_zero=1)
         if best is not None:
             return best
     return None
