@@ -75,6 +75,7 @@ def test_search_ranks_and_svg_parses(capsys, tiny_yaml, tmp_path):
       "--context", 1], "is not the product of the degrees"),
     (["--world-size", 6, "--tensor", 4], "do not divide --world-size 6"),
     (["--bandwidth", "intra=1GB/s"], "lacks inter"),
+    (["--headroom", 1.5], "--headroom 1.5 must be in [0, 1)"),
     (["--world-size", 2, "--device-memory", "1kB"], "no layout of 2 ranks fits"),
 ])
 def test_bad_input_is_one_line_and_exit_1(capsys, tiny_yaml, argv, message):

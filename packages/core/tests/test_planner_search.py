@@ -90,3 +90,11 @@ def test_first_stage_is_the_most_loaded_under_pipelines(schedule):
     assert len(plan.memory) == 4
     if schedule != "gpipe":
         assert plan.worst.stage == 0
+
+
+def test_headroom_is_kept_free_for_what_the_plan_does_not_count():
+    layout = make_layout({"data": 8}, {"zero": 3}, WORK)
+    total = evaluate(llama7b(), layout, WORK, Hardware()).worst.total
+    for headroom, fits in ((0.0, True), (0.1, False)):
+        hw = Hardware(device_memory=total / 0.95, headroom=headroom)
+        assert evaluate(llama7b(), layout, WORK, hw).fits is fits

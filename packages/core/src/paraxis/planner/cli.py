@@ -32,6 +32,7 @@ from paraxis.planner.units import (
 __all__ = ["add_plan_parser", "fit_warning", "run_plan"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1")
+HEADROOM = 0.1
 
 
 def add_plan_parser(sub: Any) -> None:
@@ -42,6 +43,9 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--world-size", type=int, help="devices; degrees omitted are searched")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--device-memory", help="per device, e.g. 80GB or 80GiB")
+    p.add_argument("--headroom", type=float, default=HEADROOM, help="share of the device "
+                   "kept free for fragmentation, CUDA context and workspaces (default "
+                   f"{HEADROOM})")
     p.add_argument("--seq", type=int, help="tokens per sequence (default: the run YAML's, "
                    "else min(2048, the model's maximum))")
     p.add_argument("--global-batch", type=int, help="sequences per step (default: the run "
@@ -69,11 +73,13 @@ def _hardware(args: argparse.Namespace) -> Hardware:
     bw = parse_bandwidth(args.bandwidth) if args.bandwidth else {}
     if args.gpus_per_node < 1:
         raise PlanInputError(f"--gpus-per-node {args.gpus_per_node} must be at least 1")
+    if not 0 <= args.headroom < 1:
+        raise PlanInputError(f"--headroom {args.headroom} must be in [0, 1), e.g. 0.1")
     return Hardware(
         gpus_per_node=args.gpus_per_node,
         device_memory=parse_bytes(args.device_memory) if args.device_memory else None,
         peak_flops=parse_flops(args.peak_flops) if args.peak_flops else None,
-        intra_bw=bw.get("intra"), inter_bw=bw.get("inter"))
+        intra_bw=bw.get("intra"), inter_bw=bw.get("inter"), headroom=args.headroom)
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
@@ -164,7 +170,7 @@ def _search(counts: ModelCounts, fixed: dict[str, int], args: argparse.Namespace
                                  "divisibility rule; try another --world-size")
         c = ranking.closest
         raise PlanInputError(
-            f"no layout of {world} ranks fits {fmt_bytes(hw.device_memory or 0)}: the "
+            f"no layout of {world} ranks fits {fmt_bytes(hw.usable_memory or 0)}: the "
             f"smallest, {c.degrees_text()}, needs {fmt_bytes(c.worst.total)} per rank "
             f"(largest term {c.worst.largest[0]}); add devices or memory")
     best = ranking.plans[0]
@@ -213,8 +219,7 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
         return 0
     if ranking is not None:
-        print(format_ranking(ranking, world=world, top=args.top,
-                             hw_memory=hw.device_memory))
+        print(format_ranking(ranking, world=world, top=args.top, hw=hw))
         print("\nthe best layout, #1:\n")
     print(format_plan(plan))
     if args.explain:
@@ -240,9 +245,10 @@ def fit_warning(config: Any, *, device_memory: str, model: str | None = None) ->
     micro = max(1, config.train.global_batch // (par.data * par.expert * m))
     work = Workload(seq=config.train.seq_length, global_batch=config.train.global_batch,
                     micro_batch=micro, precision="mixed" if config.train.bf16 else "fp32")
-    plan = evaluate(counts, config, work, Hardware(device_memory=cap), simulate=False)
+    hw = Hardware(device_memory=cap, headroom=HEADROOM)
+    plan = evaluate(counts, config, work, hw, simulate=False)
     worst = plan.worst
-    if worst.total <= cap:
+    if plan.fits:
         return None
     term, size = worst.largest
     fixes = {"activations": "recompute (schedule.activation_checkpointing), sequence "
@@ -252,6 +258,7 @@ def fit_warning(config: Any, *, device_memory: str, model: str | None = None) ->
              "parameters": "tensor or pipeline parallelism, or parallelism.zero: 3",
              "buffers": "a smaller parallelism.bucket_mb"}
     return (f"the plan says pipeline stage {worst.stage} needs {fmt_bytes(worst.total)} per "
-            f"device, more than {fmt_bytes(cap)}; the largest term is {term} "
+            f"device, more than {fmt_bytes(cap)} less {HEADROOM:.0%} headroom for "
+            f"fragmentation and workspaces; the largest term is {term} "
             f"({fmt_bytes(size)}): try {fixes[term]} (paraxis plan --model ... shows "
             "the breakdown)")

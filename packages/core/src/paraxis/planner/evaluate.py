@@ -80,9 +80,8 @@ class Plan:
 
     @property
     def fits(self) -> bool | None:
-        if self.hardware.device_memory is None:
-            return None
-        return self.worst.total <= self.hardware.device_memory
+        usable = self.hardware.usable_memory
+        return None if usable is None else self.worst.total <= usable
 
     def degrees_text(self) -> str:
         return " x ".join(f"{a}={d}" for a, d in self.layout.degrees.items() if d > 1) \
@@ -106,7 +105,8 @@ class Plan:
                       "layers": self.counts.num_layers, "tied": self.counts.tied},
             "config": self.config_dict(),
             "memory": {**worst.as_dict(), "stage": worst.stage, "fits": self.fits,
-                       "device_memory": self.hardware.device_memory},
+                       "device_memory": self.hardware.device_memory,
+                       "headroom": self.hardware.headroom},
             "memory_per_stage": [m.as_dict() for m in self.memory],
             "communication": {a.axis: a.bytes for a in self.comm},
             "links": {a.axis: a.link for a in self.comm},
@@ -143,6 +143,7 @@ def evaluate(counts: ModelCounts, layout: ParallelConfig, work: Workload,
 
 def _with_default_speeds(hw: Hardware) -> Hardware:
     return Hardware(gpus_per_node=hw.gpus_per_node, device_memory=hw.device_memory,
+                    headroom=hw.headroom,
                     peak_flops=hw.peak_flops or DEFAULT_HARDWARE.peak_flops,
                     intra_bw=hw.intra_bw or DEFAULT_HARDWARE.intra_bw,
                     inter_bw=hw.inter_bw or DEFAULT_HARDWARE.inter_bw)

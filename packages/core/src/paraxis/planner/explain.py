@@ -109,7 +109,7 @@ def _failure_modes(plan: Plan) -> str:
         watch.append("recomputation must not reach across a stage boundary")
     cap = plan.hardware.device_memory
     if cap and plan.worst.total > 0.9 * cap:
-        watch.append(f"only {1 - plan.worst.total / cap:.0%} headroom for allocator "
+        watch.append(f"only {1 - plan.worst.total / cap:.0%} of the device left for allocator "
                      "fragmentation and kernel workspaces, which this plan does not count")
     if not watch:
         watch.append("little: with data parallelism alone, watch stragglers and "

@@ -28,13 +28,25 @@ class Workload:
 
 @dataclass(frozen=True)
 class Hardware:
-    """Per device: memory and peak FLOP/s; links in bytes/s inside and across nodes."""
+    """Per device: memory and peak FLOP/s; links in bytes/s inside and across nodes.
+
+    ``headroom`` is the share of ``device_memory`` kept free for what the plan does not
+    count: allocator fragmentation, the CUDA context, kernel workspaces (the seed: they
+    "sit on top"). A layout fits when its most loaded rank needs at most the rest.
+    """
 
     gpus_per_node: int = 8
     device_memory: float | None = None
     peak_flops: float | None = None
     intra_bw: float | None = None
     inter_bw: float | None = None
+    headroom: float = 0.0
+
+    @property
+    def usable_memory(self) -> float | None:
+        if self.device_memory is None:
+            return None
+        return self.device_memory * (1.0 - self.headroom)
 
     @property
     def timed(self) -> bool:

@@ -131,6 +131,9 @@ def load_model_source(path: str | Path) -> ModelSource:
     """Read ``--model``: a directory with config.json, a config.json, or a YAML run config
     (its ``model: {family, config}`` section; ``train`` gives the defaults)."""
     p = Path(path)
+    if p.is_dir() and not (p / "config.json").is_file():
+        raise PlanInputError(f"--model {str(path)!r} is a directory without config.json; "
+                             "give the model's directory, its config.json, or a run YAML")
     if p.is_dir():
         p = p / "config.json"
     if not p.is_file():

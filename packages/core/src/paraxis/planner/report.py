@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from paraxis.planner.evaluate import Plan
-from paraxis.planner.inputs import DEFAULT_HARDWARE
+from paraxis.planner.inputs import DEFAULT_HARDWARE, Hardware
 from paraxis.planner.schedule import closed_form_bubble
 from paraxis.planner.search import Ranking, why_slower
 from paraxis.planner.units import fmt_bytes, fmt_rate, fmt_seconds
@@ -33,10 +33,12 @@ def _memory_block(plan: Plan) -> list[str]:
              f"{worst.notes['alive_microbatches']} microbatch(es) of activations alive)"]
     for name, value in worst.as_dict().items():
         lines.append(f"  {name:<12} {fmt_bytes(value):>10}")
-    cap = plan.hardware.device_memory
-    if cap:
+    hw = plan.hardware
+    if hw.device_memory:
         verdict = "fits" if plan.fits else "DOES NOT FIT"
-        lines[-1] += f"   {verdict} {fmt_bytes(cap)} ({worst.total / cap:.0%})"
+        keep = f" less {hw.headroom:.0%} headroom" if hw.headroom else ""
+        lines[-1] += f"   {verdict} {fmt_bytes(hw.device_memory)}{keep} " \
+            f"({worst.total / hw.device_memory:.0%} of the device)"
     return lines
 
 
@@ -62,7 +64,9 @@ def _step_line(plan: Plan) -> list[str]:
         parts.append(f"bubble {fmt_seconds(st.bubble_s)}")
     parts += [f"{axis} {fmt_seconds(s)}" for axis, s in st.exposed_s.items() if s > 0]
     lines = [f"step       {fmt_seconds(st.step_s)} ({', '.join(parts)}); MFU {st.mfu:.1%}, "
-             f"{st.tokens_per_s:,.0f} tokens/s"]
+             f"{st.tokens_per_s:,.0f} tokens/s",
+             "           a lower bound on time (an upper bound on MFU): matmuls at the peak, "
+             "nothing else costs time"]
     hw = plan.hardware
     if not hw.timed:
         d = DEFAULT_HARDWARE
@@ -102,8 +106,9 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def format_ranking(r: Ranking, *, world: int, top: int, hw_memory: float | None) -> str:
-    fit = f"{len(r.plans)} fit {fmt_bytes(hw_memory)}" if hw_memory else \
+def format_ranking(r: Ranking, *, world: int, top: int, hw: Hardware) -> str:
+    keep = f" less {hw.headroom:.0%} headroom" if hw.headroom else ""
+    fit = f"{len(r.plans)} fit {fmt_bytes(hw.device_memory)}{keep}" if hw.device_memory else \
         f"{len(r.plans)} ranked (no --device-memory: nothing rejected for size)"
     lines = [f"searched {r.grids} grids of {world} ranks: {r.valid} valid, {fit}; "
              f"the best {min(top, len(r.plans))}:",

@@ -110,7 +110,7 @@ def best_for_grid(counts: ModelCounts, degrees: dict[str, int], options: dict[st
 def search(counts: ModelCounts, work: Workload, hw: Hardware, *, world: int,
            fixed: dict[str, int], options: dict[str, Any], plugin_manager: Any = None,
            ) -> Ranking:
-    """Rank every valid grid of ``world`` ranks that fits ``hw.device_memory``."""
+    """Rank every valid grid of ``world`` ranks that fits ``hw.usable_memory``."""
     found: list[Plan] = []
     closest: Plan | None = None
     valid = total = 0
@@ -131,14 +131,15 @@ def search(counts: ModelCounts, work: Workload, hw: Hardware, *, world: int,
 
 def _layer_fits(counts: ModelCounts, t: int, work: Workload, hw: Hardware) -> bool:
     """One layer's model state and one microbatch's activations fit a device."""
-    if hw.device_memory is None:
+    usable = hw.usable_memory
+    if usable is None:
         return True
     layer = max(counts.layers, key=lambda c: c.total)
     state = sum(model_state_bytes(layer.matrices / t + layer.vectors + layer.experts / t,
                                   zero=0, n_dense=1, precision=work.precision))
     acts = layer_activation_bytes(s=work.seq, b=work.micro_batch, h=counts.hidden_size,
                                   a=counts.num_heads, t=t, element=work.element_size)
-    return state + acts <= hw.device_memory
+    return state + acts <= usable
 
 
 def seed_order(counts: ModelCounts, work: Workload, hw: Hardware, *, world: int,
