@@ -98,19 +98,9 @@ def communication(counts: ModelCounts, layout: ParallelConfig, work: Workload, *
         return link_of(deg, axes, gpus_per_node)
 
     out: list[AxisComm] = []
-    n_dense = d * e * c
-    if n_dense > 1:
-        grad = dense_grad_params * (n_dense - 1) / n_dense \
-            + expert_grad_params * (d * c - 1) / (d * c)
-        if par.zero == 3:
-            volume, op = (2 * m + 1) * grad * el, "all-gather x2 per microbatch + reduce-scatter"
-            overlap = "prefetched under forward and backward compute"
-        else:
-            volume = 2 * grad * el
-            op = "all-reduce" if par.zero == 0 else "reduce-scatter + all-gather"
-            overlap = "bucketed under the backward; the last bucket is exposed"
-        out.append(AxisComm("data", op, volume, n_dense, link("data", "expert", "context"),
-                            overlap, "gradients once per step"))
+    if d * e * c > 1:
+        out.append(_data(layout, el, dense_grad_params, expert_grad_params,
+                         link("data", "expert", "context")))
     if t > 1:
         replays = {"none": 0, "selective": 1, "full": 2}[sched.activation_checkpointing]
         volume = (4 + replays) * 2 * tokens * h * (t - 1) / t * el * layers * m
@@ -131,17 +121,42 @@ def communication(counts: ModelCounts, layout: ParallelConfig, work: Workload, *
                             "none: dispatch waits on routing, combine on the experts",
                             "dispatch + combine per MoE layer, forward and backward"))
     if c > 1:
-        h_kv = counts.kv_heads * counts.head_dim / t
-        if work.context_impl == "ulysses":
-            per_layer = 2 * (2 * h / t + 2 * h_kv) * tokens * (c - 1) / c
-            op, overlap = "all-to-all", "none: attention waits on its heads"
-        else:
-            per_layer = 3 * 2 * b * s * h_kv * (c - 1) / c
-            op = "ring send/recv"
-            overlap = "yes: the next K/V block moves under this block's attention"
-        out.append(AxisComm("context", op, per_layer * el * layers * m, c, link("context"),
-                            overlap, "per layer per microbatch"))
+        out.append(_context(counts, layout, work, layers, link("context")))
     return out
+
+
+def _data(layout: ParallelConfig, el: int, dense: float, expert: float, link: str,
+          ) -> AxisComm:
+    """Gradients (and ZeRO-3's weights) over the replicas: dense over data x expert x
+    context, expert parameters over data x context."""
+    par, m = layout.parallelism, layout.schedule.microbatches
+    n_dense, n_expert = par.data * par.expert * par.context, par.data * par.context
+    grad = dense * (n_dense - 1) / n_dense + expert * (n_expert - 1) / n_expert
+    if par.zero == 3:
+        return AxisComm("data", "all-gather x2 per microbatch + reduce-scatter",
+                        (2 * m + 1) * grad * el, n_dense, link,
+                        "prefetched under forward and backward compute",
+                        "weights gathered per microbatch, gradients once per step")
+    op = "all-reduce" if par.zero == 0 else "reduce-scatter + all-gather"
+    return AxisComm("data", op, 2 * grad * el, n_dense, link,
+                    "bucketed under the backward; the last bucket is exposed",
+                    "gradients once per step")
+
+
+def _context(counts: ModelCounts, layout: ParallelConfig, work: Workload, layers: int,
+             link: str) -> AxisComm:
+    t, c = layout.parallelism.tensor, layout.parallelism.context
+    b, s, h = work.micro_batch, work.seq, counts.hidden_size
+    h_kv = counts.kv_heads * counts.head_dim / t
+    if work.context_impl == "ulysses":
+        per_layer = 2 * (2 * h / t + 2 * h_kv) * b * s / c * (c - 1) / c
+        op, overlap = "all-to-all", "none: attention waits on its heads"
+    else:
+        per_layer = 3 * 2 * b * s * h_kv * (c - 1) / c
+        op = "ring send/recv"
+        overlap = "yes: the next K/V block moves under this block's attention"
+    volume = per_layer * work.element_size * layers * layout.schedule.microbatches
+    return AxisComm("context", op, volume, c, link, overlap, "per layer per microbatch")
 
 
 def _pipeline_sends(p: int, v: int) -> int:
