@@ -124,7 +124,7 @@ def format_ranking(r: Ranking, *, world: int, top: int, hw: Hardware) -> str:
             f"{d['context']:>3} {par.zero:>4} {'yes' if par.sequence_parallel else 'no':>3} "
             f"{plan.layout.schedule.activation_checkpointing:<9} "
             f"{fmt_bytes(plan.worst.total):>10} {fmt_seconds(plan.step.step_s):>9} "
-            f"{plan.step.mfu:>6.1%}  {why}")
+            f"{plan.step.mfu:>6.1%}  {why}".rstrip())
     lines.append(seed_sentence(r))
     return "\n".join(lines)
 
