@@ -1,4 +1,4 @@
-"""The ``paraxis`` command line: ``validate`` and ``train``."""
+"""The ``paraxis`` command line: ``validate``, ``train`` and ``plan``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from paraxis.errors import ConfigError
+from paraxis.planner.cli import add_plan_parser
 from paraxis.plugins import make_plugin_manager
 from paraxis.run_config import RunConfig
 from paraxis.strategy import missing_axes, resolve_strategies
@@ -52,6 +53,25 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     names = ", ".join(f"{s.axis} ({s.phase.name.lower()})" for s in strategies) or "none"
     print(f"{args.config}: valid. world size {config.world_size} ({degrees}); "
           f"strategies: {names}")
+    if args.device_memory:
+        return _warn_if_too_big(config, args)
+    return 0
+
+
+def _warn_if_too_big(config: RunConfig, args: argparse.Namespace) -> int:
+    """Warn (exit 0) when the planner says the layout will not fit the device."""
+    from paraxis.planner.cli import fit_warning
+    from paraxis.planner.units import PlanInputError
+
+    try:
+        warning = fit_warning(config, device_memory=args.device_memory, model=args.model)
+    except PlanInputError as exc:
+        if "--device-memory" in str(exc):
+            print(f"{args.config}: {exc}", file=sys.stderr)
+            return 1
+        warning = f"cannot plan memory: {exc}"
+    if warning:
+        print(f"{args.config}: warning: {warning}", file=sys.stderr)
     return 0
 
 
@@ -89,12 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("--model", help="model config: config.json, or YAML with a model: section")
     val.add_argument("--world-size", type=int, default=None,
                      help="check against this many processes")
+    val.add_argument("--device-memory", help="warn when the plan says a rank needs more "
+                     "than this, e.g. 80GB")
     val.add_argument("overrides", nargs="*", help="section.key=value")
     val.set_defaults(func=_cmd_validate)
     tr = sub.add_parser("train", help=_cmd_train.__doc__)
     tr.add_argument("--config", required=True, help="YAML run configuration")
     tr.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=50")
     tr.set_defaults(func=_cmd_train)
+    add_plan_parser(sub)
     make_plugin_manager().hook.paraxis_cli_commands(subparsers=sub)
     return parser
 

@@ -1,0 +1,264 @@
+"""``paraxis plan``: evaluate a layout (degrees given) or search all of them (omitted),
+and ``paraxis validate --device-memory``'s fit warning.
+
+Bad input is one line on stderr and exit code 1, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from paraxis.config import AXES
+from paraxis.planner.evaluate import Plan, evaluate, make_layout, problems
+from paraxis.planner.explain import explain
+from paraxis.planner.inputs import Hardware, Workload
+from paraxis.planner.model import ModelCounts, build_on_meta, count_model, load_model_source
+from paraxis.planner.report import format_plan, format_ranking, seed_sentence
+from paraxis.planner.search import Ranking, search, why_slower
+from paraxis.planner.svg import plan_svg
+from paraxis.planner.units import (
+    PlanInputError,
+    fmt_bytes,
+    parse_bandwidth,
+    parse_bytes,
+    parse_flops,
+)
+
+__all__ = ["add_plan_parser", "fit_warning", "run_plan"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1")
+HEADROOM = 0.1
+
+
+def add_plan_parser(sub: Any) -> None:
+    p = sub.add_parser("plan", help="memory, communication, bubble and step time of a "
+                       "layout, or the best layouts for a world size, before any run")
+    p.add_argument("--model", required=True,
+                   help="model directory (config.json), a config.json, or a run YAML")
+    p.add_argument("--world-size", type=int, help="devices; degrees omitted are searched")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--device-memory", help="per device, e.g. 80GB or 80GiB")
+    p.add_argument("--headroom", type=float, default=HEADROOM, help="share of the device "
+                   "kept free for fragmentation, CUDA context and workspaces (default "
+                   f"{HEADROOM})")
+    p.add_argument("--seq", type=int, help="tokens per sequence (default: the run YAML's, "
+                   "else min(2048, the model's maximum))")
+    p.add_argument("--global-batch", type=int, help="sequences per step (default: the run "
+                   "YAML's, else 8 x world size x micro-batch)")
+    p.add_argument("--micro-batch", type=int, default=1)
+    for axis in AXES:
+        p.add_argument(f"--{axis}", type=int, help=f"{axis}-parallel degree")
+    p.add_argument("--zero", type=int, choices=range(4))
+    p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction)
+    p.add_argument("--recompute", choices=("none", "selective", "full"))
+    p.add_argument("--schedule", choices=SCHEDULES)
+    p.add_argument("--virtual-stages", type=int, help="model chunks per pipeline rank")
+    p.add_argument("--context-impl", choices=("ring", "ulysses"), default="ring")
+    p.add_argument("--precision", choices=("mixed", "fp32"), default="mixed")
+    p.add_argument("--peak-flops", help="per device, e.g. 989e12 or 989T")
+    p.add_argument("--bandwidth", help="intra=450GB/s,inter=50GB/s (bytes per second)")
+    p.add_argument("--top", type=int, default=5, help="layouts shown when searching")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.add_argument("--explain", action="store_true", help="answer the seed's checks")
+    p.add_argument("--svg", metavar="FILE", help="write memory and communication as SVG")
+    p.set_defaults(func=run_plan)
+
+
+def _hardware(args: argparse.Namespace) -> Hardware:
+    bw = parse_bandwidth(args.bandwidth) if args.bandwidth else {}
+    if args.gpus_per_node < 1:
+        raise PlanInputError(f"--gpus-per-node {args.gpus_per_node} must be at least 1")
+    if not 0 <= args.headroom < 1:
+        raise PlanInputError(f"--headroom {args.headroom} must be in [0, 1), e.g. 0.1")
+    return Hardware(
+        gpus_per_node=args.gpus_per_node,
+        device_memory=parse_bytes(args.device_memory) if args.device_memory else None,
+        peak_flops=parse_flops(args.peak_flops) if args.peak_flops else None,
+        intra_bw=bw.get("intra"), inter_bw=bw.get("inter"), headroom=args.headroom)
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    opts: dict[str, Any] = {}
+    for key, name in (("zero", "zero"), ("sequence_parallel", "sequence_parallel"),
+                      ("recompute", "activation_checkpointing"),
+                      ("schedule", "pipeline_schedule"), ("virtual_stages", "virtual_stages")):
+        if getattr(args, key) is not None:
+            opts[name] = getattr(args, key)
+    if opts.get("virtual_stages", 1) > 1 and "pipeline_schedule" not in opts:
+        opts["pipeline_schedule"] = "interleaved_1f1b"
+    return opts
+
+
+def _world(args: argparse.Namespace, fixed: dict[str, int]) -> tuple[int, bool]:
+    """(world size, whether to search)."""
+    bad = {a: d for a, d in fixed.items() if d < 1}
+    if bad:
+        raise PlanInputError(f"degrees must be at least 1, got {bad}")
+    product = math.prod(fixed.values())
+    if args.world_size is None:
+        return product, False
+    if args.world_size < 1:
+        raise PlanInputError(f"--world-size {args.world_size} must be at least 1")
+    if product == args.world_size:
+        return product, False
+    given = " x ".join(f"{a}={d}" for a, d in fixed.items())
+    if len(fixed) == len(AXES):
+        raise PlanInputError(f"--world-size {args.world_size} is not the product of the "
+                             f"degrees {given} = {product}; change one or drop --world-size")
+    if args.world_size % product:
+        raise PlanInputError(f"the degrees {given} (product {product}) do not divide "
+                             f"--world-size {args.world_size}; choose degrees whose product "
+                             f"divides it")
+    return args.world_size, True
+
+
+def _workload(args: argparse.Namespace, counts: ModelCounts, defaults: dict[str, Any],
+              world: int) -> Workload:
+    seq = args.seq or defaults.get("seq_length") or min(2048, counts.max_seq or 2048)
+    batch = args.global_batch or defaults.get("global_batch") or 8 * world * args.micro_batch
+    for name, value in (("--seq", seq), ("--global-batch", batch),
+                        ("--micro-batch", args.micro_batch)):
+        if int(value) < 1:
+            raise PlanInputError(f"{name} {value} must be at least 1")
+    return Workload(seq=int(seq), global_batch=int(batch), micro_batch=args.micro_batch,
+                    precision=args.precision, context_impl=args.context_impl)
+
+
+def _load_counts(model: str, seq: int | None = None) -> tuple[ModelCounts, dict[str, Any]]:
+    from paraxis.plugins import make_plugin_manager
+
+    source = load_model_source(model)
+    built = build_on_meta(source, make_plugin_manager())
+    return count_model(built, source.family, seq), source.defaults
+
+
+def _evaluate(counts: ModelCounts, fixed: dict[str, int], args: argparse.Namespace,
+              work: Workload, hw: Hardware, world: int) -> Plan:
+    from paraxis.plugins import make_plugin_manager
+
+    try:
+        layout = make_layout(fixed, _options(args), work)
+    except ValueError as exc:  # ConfigError: the options' own types and ranges
+        raise PlanInputError(_one_line(exc)) from None
+    found = problems(counts, layout, work, world_size=world,
+                     plugin_manager=make_plugin_manager())
+    if found:
+        raise PlanInputError("; ".join(str(p) for p in found))
+    return evaluate(counts, layout, work, hw)
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = [line.strip(" -") for line in str(exc).splitlines() if line.strip()]
+    return "; ".join(lines[1:] if len(lines) > 1 else lines)
+
+
+def _search(counts: ModelCounts, fixed: dict[str, int], args: argparse.Namespace,
+            work: Workload, hw: Hardware, world: int) -> tuple[Plan, Ranking]:
+    from paraxis.plugins import make_plugin_manager
+
+    ranking = search(counts, work, hw, world=world, fixed=fixed, options=_options(args),
+                     plugin_manager=make_plugin_manager())
+    if not ranking.plans:
+        if ranking.closest is None:
+            raise PlanInputError(f"no valid layout of {world} ranks for this model "
+                                 f"({ranking.grids} grids tried): every one breaks a "
+                                 "divisibility rule; try another --world-size")
+        c = ranking.closest
+        raise PlanInputError(
+            f"no layout of {world} ranks fits {fmt_bytes(hw.usable_memory or 0)}: the "
+            f"smallest, {c.degrees_text()}, needs {fmt_bytes(c.worst.total)} per rank "
+            f"(largest term {c.worst.largest[0]}); add devices or memory")
+    best = ranking.plans[0]
+    return evaluate(counts, best.layout, work, hw), ranking
+
+
+def _ranking_json(r: Ranking, top: int) -> dict[str, Any]:
+    best = r.plans[0]
+    rows = [{"config": p.config_dict(), "memory_total": p.worst.total,
+             "estimated_step_s": p.step.step_s, "estimated_mfu": p.step.mfu,
+             "why_slower": "" if i == 0 else why_slower(p, best)}
+            for i, p in enumerate(r.plans[:top])]
+    return {"ranking": rows, "grids": r.grids, "valid": r.valid, "ranked": len(r.plans),
+            "seed_order": r.seed.config_dict() if r.seed else None,
+            "seed_order_note": seed_sentence(r)}
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except PlanInputError as exc:
+        print(f"paraxis plan: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"paraxis plan: {exc.strerror or exc}: {exc.filename or ''}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    hw = _hardware(args)
+    fixed = {a: getattr(args, a) for a in AXES if getattr(args, a) is not None}
+    world, searching = _world(args, fixed)
+    counts, defaults = _load_counts(args.model, args.seq)
+    work = _workload(args, counts, defaults, world)
+    ranking = None
+    if searching:
+        plan, ranking = _search(counts, fixed, args, work, hw, world)
+    else:
+        plan = _evaluate(counts, fixed, args, work, hw, world)
+    if args.svg:
+        Path(args.svg).write_text(plan_svg(plan))
+    if args.json:
+        out = plan.to_json()
+        if ranking is not None:
+            out["search"] = _ranking_json(ranking, args.top)
+        print(json.dumps(out, indent=2))
+        return 0
+    if ranking is not None:
+        print(format_ranking(ranking, world=world, top=args.top, hw=hw))
+        print("\nthe best layout, #1:\n")
+    print(format_plan(plan))
+    if args.explain:
+        print("\n" + explain(plan))
+    return 0
+
+
+def fit_warning(config: Any, *, device_memory: str, model: str | None = None) -> str | None:
+    """For ``paraxis validate --device-memory``: a warning naming the largest term when
+    the plan says the run's layout will not fit, else None. Raises PlanInputError on an
+    unreadable memory size or a model that cannot be built."""
+    cap = parse_bytes(device_memory)
+    if model:
+        counts, _ = _load_counts(model, config.train.seq_length)
+    else:
+        from paraxis.planner.model import ModelSource
+        from paraxis.plugins import make_plugin_manager
+
+        source = ModelSource(config.model.family, dict(config.model.config), "model:", {})
+        counts = count_model(build_on_meta(source, make_plugin_manager()), source.family,
+                             config.train.seq_length)
+    par, m = config.parallelism, config.schedule.microbatches
+    micro = max(1, config.train.global_batch // (par.data * par.expert * m))
+    work = Workload(seq=config.train.seq_length, global_batch=config.train.global_batch,
+                    micro_batch=micro, precision="mixed" if config.train.bf16 else "fp32")
+    hw = Hardware(device_memory=cap, headroom=HEADROOM)
+    plan = evaluate(counts, config, work, hw, simulate=False)
+    worst = plan.worst
+    if plan.fits:
+        return None
+    term, size = worst.largest
+    fixes = {"activations": "recompute (schedule.activation_checkpointing), sequence "
+             "parallelism or a smaller micro-batch",
+             "optimizer": "parallelism.zero >= 1 or more data-parallel ranks",
+             "gradients": "parallelism.zero >= 2, tensor or pipeline parallelism",
+             "parameters": "tensor or pipeline parallelism, or parallelism.zero: 3",
+             "buffers": "a smaller parallelism.bucket_mb"}
+    return (f"the plan says pipeline stage {worst.stage} needs {fmt_bytes(worst.total)} per "
+            f"device, more than {fmt_bytes(cap)} less {HEADROOM:.0%} headroom for "
+            f"fragmentation and workspaces; the largest term is {term} "
+            f"({fmt_bytes(size)}): try {fixes[term]} (paraxis plan --model ... shows "
+            "the breakdown)")

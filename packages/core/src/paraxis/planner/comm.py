@@ -1,0 +1,166 @@
+"""Bytes each rank sends per optimizer step, by axis, and the link each axis crosses.
+
+Bus convention (NCCL tests; paraxis.collectives counts the same way): a ring all-reduce
+of S bytes moves 2S(n-1)/n per rank, an all-gather or reduce-scatter S(n-1)/n, an
+all-to-all the bytes sent to other ranks, send/recv the message. Elements are 2 bytes
+under mixed precision, 4 under fp32 (``Workload.element_size``).
+
+* data (ZeRO 0-2): 2Ψ(N-1)/N of gradient bytes Ψ, once per step (all-reduce, or
+  reduce-scatter plus all-gather: the same volume; ZeRO section 7). ZeRO-3: 3Ψ(N-1)/N,
+  weights all-gathered in forward and again in backward, gradients reduce-scattered;
+  with m microbatches the gathers repeat per microbatch: (2m+1)Ψ(N-1)/N.
+* tensor: 8·b·s·h·(t-1)/t elements per layer per microbatch: Megatron-LM's 4 all-reduces
+  of the b·s·h layer output per layer (g after attention and after the MLP in forward,
+  f before each in backward; Shoeybi et al., arXiv:1909.08053, section 3), 2(t-1)/t each.
+  Sequence parallelism swaps each for an all-gather plus a reduce-scatter, the same
+  volume (Korthikanti et al., section 4.2.2). Recompute replays forward collectives:
+  +1 all-reduce per layer for paraxis's selective (the attention block with its
+  projections), +2 for full.
+* pipeline: b·s·h per stage boundary per microbatch each way (activation forward,
+  its gradient backward); divided by t with sequence parallelism (the boundary tensor
+  stays sequence-sharded).
+* expert: all-to-all dispatch and combine of T·k tokens of h elements, 2·T·k·h·(E-1)/E
+  per MoE layer each way (forward, backward); T = b·s tokens per microbatch on the
+  rank (/t with sequence parallelism, /C with context).
+* context: Ulysses (Jacobs et al., arXiv:2309.14509) all-to-alls q, k, v and the output,
+  (2h + 2h_kv)·b·s/C·(C-1)/C per layer each way (its 4Nh/P with h_kv = h); ring
+  attention (Liu et al., arXiv:2310.01889) passes each rank's K/V block around the ring,
+  2·b·s·h_kv·(C-1)/C per layer forward, twice that backward (K/V again and their
+  gradients). Heads are split over t first.
+
+Links: ranks are numbered in mesh order ``pipeline, data, expert, context, tensor``
+(tensor fastest), ``gpus_per_node`` consecutive ranks per node. A group stays inside a
+node ("intra") when the aligned block its members span fits a node; otherwise it
+crosses nodes ("inter") and runs at the slower link's speed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from paraxis.config import AXES, ParallelConfig
+from paraxis.planner.inputs import Workload
+from paraxis.planner.model import ModelCounts
+from paraxis.planner.schedule import rank_chunks
+
+__all__ = ["AxisComm", "communication", "link_of"]
+
+
+@dataclass(frozen=True)
+class AxisComm:
+    axis: str
+    collective: str
+    bytes: float  # sent per rank per optimizer step (bus convention)
+    group: int  # ranks in the group
+    link: str  # "intra" or "inter"
+    overlap: str  # how this traffic can hide under compute
+    per: str  # what one unit of it is, for explanations
+
+
+def link_of(degrees: dict[str, int], axes: tuple[str, ...], gpus_per_node: int) -> str:
+    """'intra' if every group along ``axes`` lies inside one node, else 'inter'."""
+    world = math.prod(degrees.values())
+    active = [a for a in axes if degrees.get(a, 1) > 1]
+    if world <= gpus_per_node or not active:
+        return "intra"
+    stride = 1
+    strides = {}
+    for axis in reversed(AXES):
+        strides[axis] = stride
+        stride *= degrees.get(axis, 1)
+    outer = min(active, key=AXES.index)  # the outermost axis of the group
+    span = strides[outer] * degrees[outer]  # aligned block holding each group
+    return "intra" if span <= gpus_per_node and gpus_per_node % span == 0 else "inter"
+
+
+def _stage_layers(counts: ModelCounts, p: int, v: int) -> list[list[int]]:
+    return [[i for start, n in chunks for i in range(start, start + n)]
+            for chunks in rank_chunks(counts.num_layers, p, v)]
+
+
+def communication(counts: ModelCounts, layout: ParallelConfig, work: Workload, *,
+                  gpus_per_node: int, dense_grad_params: float, expert_grad_params: float,
+                  ) -> list[AxisComm]:
+    """Per active axis, bytes the most loaded rank sends per step; ``*_grad_params`` are
+    the parameters whose gradients that rank holds before any ZeRO sharding."""
+    par, sched = layout.parallelism, layout.schedule
+    t, p, e, c, d = par.tensor, par.pipeline, par.expert, par.context, par.data
+    m, v, el = sched.microbatches, sched.virtual_stages, work.element_size
+    deg = layout.degrees
+    b, s, h = work.micro_batch, work.seq, counts.hidden_size
+    tokens = b * s / c  # this rank's tokens per microbatch
+    per_rank = _stage_layers(counts, p, v)
+    layers = max(len(r) for r in per_rank)
+    moe = max(sum(1 for i in r if counts.layers[i].experts) for r in per_rank)
+
+    def link(*axes: str) -> str:
+        return link_of(deg, axes, gpus_per_node)
+
+    out: list[AxisComm] = []
+    if d * e * c > 1:
+        out.append(_data(layout, el, dense_grad_params, expert_grad_params,
+                         link("data", "expert", "context")))
+    if t > 1:
+        replays = {"none": 0, "selective": 1, "full": 2}[sched.activation_checkpointing]
+        volume = (4 + replays) * 2 * tokens * h * (t - 1) / t * el * layers * m
+        op = "all-gather + reduce-scatter" if par.sequence_parallel else "all-reduce"
+        out.append(AxisComm("tensor", op, volume, t, link("tensor"),
+                            "none: on the critical path inside every layer",
+                            f"{4 + replays} per layer per microbatch"))
+    if p > 1:
+        message = tokens * h * el / (t if par.sequence_parallel else 1)
+        sends = _pipeline_sends(p, v)
+        out.append(AxisComm("pipeline", "send/recv", sends * m * message, p, link("pipeline"),
+                            "partly: overlaps other microbatches once the pipeline is full",
+                            "one activation forward and one gradient backward per boundary"))
+    if e > 1 and moe:
+        routed = tokens / (t if par.sequence_parallel else 1) * counts.top_k
+        volume = 2 * 2 * routed * h * (e - 1) / e * el * moe * m
+        out.append(AxisComm("expert", "all-to-all", volume, e, link("expert"),
+                            "none: dispatch waits on routing, combine on the experts",
+                            "dispatch + combine per MoE layer, forward and backward"))
+    if c > 1:
+        out.append(_context(counts, layout, work, layers, link("context")))
+    return out
+
+
+def _data(layout: ParallelConfig, el: int, dense: float, expert: float, link: str,
+          ) -> AxisComm:
+    """Gradients (and ZeRO-3's weights) over the replicas: dense over data x expert x
+    context, expert parameters over data x context."""
+    par, m = layout.parallelism, layout.schedule.microbatches
+    n_dense, n_expert = par.data * par.expert * par.context, par.data * par.context
+    grad = dense * (n_dense - 1) / n_dense + expert * (n_expert - 1) / n_expert
+    if par.zero == 3:
+        return AxisComm("data", "all-gather x2 per microbatch + reduce-scatter",
+                        (2 * m + 1) * grad * el, n_dense, link,
+                        "prefetched under forward and backward compute",
+                        "weights gathered per microbatch, gradients once per step")
+    op = "all-reduce" if par.zero == 0 else "reduce-scatter + all-gather"
+    return AxisComm("data", op, 2 * grad * el, n_dense, link,
+                    "bucketed under the backward; the last bucket is exposed",
+                    "gradients once per step")
+
+
+def _context(counts: ModelCounts, layout: ParallelConfig, work: Workload, layers: int,
+             link: str) -> AxisComm:
+    t, c = layout.parallelism.tensor, layout.parallelism.context
+    b, s, h = work.micro_batch, work.seq, counts.hidden_size
+    h_kv = counts.kv_heads * counts.head_dim / t
+    if work.context_impl == "ulysses":
+        per_layer = 2 * (2 * h / t + 2 * h_kv) * b * s / c * (c - 1) / c
+        op, overlap = "all-to-all", "none: attention waits on its heads"
+    else:
+        per_layer = 3 * 2 * b * s * h_kv * (c - 1) / c
+        op = "ring send/recv"
+        overlap = "yes: the next K/V block moves under this block's attention"
+    volume = per_layer * work.element_size * layers * layout.schedule.microbatches
+    return AxisComm("context", op, volume, c, link, overlap, "per layer per microbatch")
+
+
+def _pipeline_sends(p: int, v: int) -> int:
+    """Messages the busiest rank sends per microbatch: forward out of every chunk but the
+    last global stage, backward out of every chunk but the first."""
+    stages = p * v
+    return max(sum((k < stages - 1) + (k > 0) for k in range(r, stages, p)) for r in range(p))

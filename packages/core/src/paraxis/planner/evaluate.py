@@ -1,0 +1,153 @@
+"""One layout evaluated: memory per pipeline rank, communication per axis, bubble, step.
+
+:func:`make_layout` turns degrees and options into the :class:`ParallelConfig` a run
+would use (microbatches from the global batch); :func:`problems` lists every rule it
+breaks, core's validation and the plugins' included; :func:`evaluate` returns a
+:class:`Plan`, plain data that prints, serializes and draws.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from paraxis.config import AXES, ParallelConfig
+from paraxis.errors import Problem
+from paraxis.planner.comm import AxisComm, communication
+from paraxis.planner.inputs import DEFAULT_HARDWARE, Hardware, Workload
+from paraxis.planner.memory import Memory, held_params, rank_layers, rank_memory
+from paraxis.planner.model import ModelCounts
+from paraxis.planner.schedule import Bubble, bubble
+from paraxis.planner.step import StepEstimate, estimate_step
+from paraxis.validation import check
+
+__all__ = ["OPTION_KEYS", "Plan", "evaluate", "make_layout", "problems"]
+
+# Options beside the degrees, as ParallelConfig.from_kwargs names them.
+OPTION_KEYS = ("zero", "sequence_parallel", "activation_checkpointing", "pipeline_schedule",
+               "virtual_stages")
+
+
+def make_layout(degrees: dict[str, int], options: dict[str, Any], work: Workload,
+                bucket_mb: float = 25.0) -> ParallelConfig:
+    """The run's config: ``degrees`` and ``options``, with as many microbatches as the
+    global batch gives each data x expert replica (at least 1)."""
+    replicas = degrees.get("data", 1) * degrees.get("expert", 1) * work.micro_batch
+    m = max(1, work.global_batch // replicas)
+    return ParallelConfig.from_kwargs(**{a: degrees.get(a, 1) for a in AXES}, **options,
+                                      microbatches=m, bucket_mb=bucket_mb)
+
+
+def problems(counts: ModelCounts, layout: ParallelConfig, work: Workload, *,
+             world_size: int | None = None, plugin_manager: Any = None) -> list[Problem]:
+    """Every rule the layout breaks for this model and workload."""
+    par = layout.parallelism
+    found = check(layout, world_size=world_size, model=counts.shape(work.seq))
+    replicas = par.data * par.expert * work.micro_batch
+    if work.global_batch % replicas:
+        found.append(Problem(
+            "global_batch", work.global_batch, f"must split evenly over data x expert x "
+            f"micro-batch = {replicas}", f"use a multiple of {replicas}"))
+    if par.context > 1 and work.context_impl == "ulysses":
+        for name, heads in (("num_attention_heads", counts.num_heads),
+                            ("num_key_value_heads", counts.kv_heads)):
+            if heads % (par.tensor * par.context):
+                found.append(Problem(
+                    f"model.{name}", heads, "Ulysses splits heads over tensor x context = "
+                    f"{par.tensor * par.context}", "use ring context parallelism"))
+    if plugin_manager is not None:
+        plugin_manager.hook.paraxis_validate_config(config=layout, model=counts.shape(
+            work.seq), problems=found)
+    return found
+
+
+@dataclass(frozen=True)
+class Plan:
+    counts: ModelCounts
+    layout: ParallelConfig
+    work: Workload
+    hardware: Hardware
+    memory: tuple[Memory, ...]  # per pipeline rank
+    comm: tuple[AxisComm, ...]
+    bubble: Bubble
+    step: StepEstimate  # on DEFAULT_HARDWARE's figures when hardware is not timed
+
+    @property
+    def worst(self) -> Memory:
+        """The most loaded rank (the first stage under 1F1B; the lowest stage on ties)."""
+        return max(self.memory, key=lambda m: (m.total, -m.stage))
+
+    @property
+    def fits(self) -> bool | None:
+        usable = self.hardware.usable_memory
+        return None if usable is None else self.worst.total <= usable
+
+    def degrees_text(self) -> str:
+        return " x ".join(f"{a}={d}" for a, d in self.layout.degrees.items() if d > 1) \
+            or "one rank"
+
+    def config_dict(self) -> dict[str, Any]:
+        par, sched = self.layout.parallelism, self.layout.schedule
+        return {**self.layout.degrees, "zero": par.zero,
+                "sequence_parallel": par.sequence_parallel,
+                "recompute": sched.activation_checkpointing,
+                "schedule": sched.pipeline_schedule, "virtual_stages": sched.virtual_stages,
+                "microbatches": sched.microbatches, "micro_batch": self.work.micro_batch,
+                "global_batch": self.work.global_batch, "seq": self.work.seq,
+                "precision": self.work.precision, "world_size": self.layout.world_size}
+
+    def to_json(self) -> dict[str, Any]:
+        worst = self.worst
+        out: dict[str, Any] = {
+            "model": {"family": self.counts.family, "parameters": self.counts.total,
+                      "non_embedding": self.counts.non_embedding,
+                      "layers": self.counts.num_layers, "tied": self.counts.tied},
+            "config": self.config_dict(),
+            "memory": {**worst.as_dict(), "stage": worst.stage, "fits": self.fits,
+                       "device_memory": self.hardware.device_memory,
+                       "headroom": self.hardware.headroom},
+            "memory_per_stage": [m.as_dict() for m in self.memory],
+            "communication": {a.axis: a.bytes for a in self.comm},
+            "links": {a.axis: a.link for a in self.comm},
+            "element_size": self.work.element_size,
+            "bubble": self.bubble.fraction,
+            "bubble_source": self.bubble.source,
+        }
+        if self.hardware.timed:
+            out["step_time_s"] = self.step.step_s
+            out["mfu"] = self.step.mfu
+            out["step_components_s"] = self.step.components()
+        return out
+
+
+def evaluate(counts: ModelCounts, layout: ParallelConfig, work: Workload,
+             hardware: Hardware, *, simulate: bool = True, every_rank: bool = True) -> Plan:
+    """Evaluate a layout already checked by :func:`problems`. The search passes
+    ``simulate=False`` (closed-form bubble) and ``every_rank=False`` (memory of the first
+    and last stages only: the candidates for the most loaded rank)."""
+    par, sched = layout.parallelism, layout.schedule
+    p, v = par.pipeline, sched.virtual_stages
+    ranks = range(p) if every_rank else sorted({0, p - 1})
+    memory = tuple(rank_memory(counts, layout, work, r) for r in ranks)
+    dense, expert = max((held_params(counts, rank_layers(counts, p, v, r), r == 0,
+                                     r == p - 1, par.tensor, par.expert, p)
+                         for r in range(p)), key=sum)  # the rank with most gradients
+    comm = tuple(communication(counts, layout, work, gpus_per_node=hardware.gpus_per_node,
+                               dense_grad_params=dense, expert_grad_params=expert))
+    bub = bubble(sched.pipeline_schedule, p, sched.microbatches, v, simulate=simulate)
+    timing = hardware if hardware.timed else _with_default_speeds(hardware)
+    step = estimate_step(counts, layout, work, list(comm), bub.fraction, timing)
+    return Plan(counts, layout, work, hardware, memory, comm, bub, step)
+
+
+def _with_default_speeds(hw: Hardware) -> Hardware:
+    return Hardware(gpus_per_node=hw.gpus_per_node, device_memory=hw.device_memory,
+                    headroom=hw.headroom,
+                    peak_flops=hw.peak_flops or DEFAULT_HARDWARE.peak_flops,
+                    intra_bw=hw.intra_bw or DEFAULT_HARDWARE.intra_bw,
+                    inter_bw=hw.inter_bw or DEFAULT_HARDWARE.inter_bw)
+
+
+def world_of(degrees: dict[str, int]) -> int:
+    return math.prod(degrees.get(a, 1) for a in AXES)

@@ -1,0 +1,58 @@
+"""What is trained (:class:`Workload`) and on what (:class:`Hardware`); the layout itself
+is a :class:`paraxis.config.ParallelConfig`, the same object a run validates."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["DEFAULT_HARDWARE", "Hardware", "Workload"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """``seq`` tokens per sequence, ``global_batch`` sequences per optimizer step,
+    ``micro_batch`` sequences per microbatch on one data x expert replica."""
+
+    seq: int = 2048
+    global_batch: int = 512
+    micro_batch: int = 1
+    precision: Literal["mixed", "fp32"] = "mixed"
+    context_impl: Literal["ring", "ulysses"] = "ring"
+
+    @property
+    def element_size(self) -> int:
+        """Bytes of one activation or communicated element (bf16/fp16 under mixed)."""
+        return 2 if self.precision == "mixed" else 4
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Per device: memory and peak FLOP/s; links in bytes/s inside and across nodes.
+
+    ``headroom`` is the share of ``device_memory`` kept free for what the plan does not
+    count: allocator fragmentation, the CUDA context, kernel workspaces (the seed: they
+    "sit on top"). A layout fits when its most loaded rank needs at most the rest.
+    """
+
+    gpus_per_node: int = 8
+    device_memory: float | None = None
+    peak_flops: float | None = None
+    intra_bw: float | None = None
+    inter_bw: float | None = None
+    headroom: float = 0.0
+
+    @property
+    def usable_memory(self) -> float | None:
+        if self.device_memory is None:
+            return None
+        return self.device_memory * (1.0 - self.headroom)
+
+    @property
+    def timed(self) -> bool:
+        return None not in (self.peak_flops, self.intra_bw, self.inter_bw)
+
+
+# Used only to rank candidates when no --peak-flops / --bandwidth is given, and said so:
+# an H100 SXM's dense bf16 peak, NVLink 4 per direction, one 400 Gb/s NIC per GPU.
+DEFAULT_HARDWARE = Hardware(peak_flops=989e12, intra_bw=450e9, inter_bw=50e9)

@@ -1,0 +1,182 @@
+"""Bytes resident on one rank: model states, activations, communication buffers.
+
+Model states follow ZeRO (Rajbhandari et al., arXiv:1910.02054, section 3 and Table 1):
+mixed precision keeps 2 bytes of weights and 2 of gradients per parameter plus K = 12 of
+optimizer state (fp32 master weights, Adam momentum and variance); fp32 training keeps
+4 + 4 + 8. ZeRO stage 1 divides the optimizer term by the data-parallel degree N, stage
+2 also the gradients, stage 3 also the weights. Dense parameters are replicated, hence
+sharded, over data x expert x context; expert parameters over data x context (DESIGN
+section 2).
+
+Activations per layer follow Korthikanti et al. (arXiv:2205.05198, Table 2), bytes for
+2-byte activations and 1-byte dropout masks (s sequence, b microbatch, h hidden, a heads,
+t tensor degree)::
+
+    no parallelism               sbh(34 + 5as/h)
+    tensor parallel              sbh(10 + 24/t + 5as/(ht))
+    tensor + sequence parallel   sbh(34/t + 5as/(ht))
+    selective recompute          the same without the 5as/h attention-core term
+    full recompute               2sbh (the layer input only; /t with sequence parallel)
+
+Written for element size e: 10 = 4e + 2 (norm inputs, attention and MLP inputs, two
+dropout masks), 24 = 12e, 5 = 2e + 1 (scores, softmax, its dropout mask), so fp32
+doubles all but the masks. A mixture-of-experts layer keeps its MLP terms (19 of the 34)
+once per routed copy of a token (top-k). Context parallelism divides by C (each rank
+keeps its s/C queries against all keys). The last stage adds the output layer's inputs
+and fp32 logits, 4sbv/t (section 4.3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from paraxis.config import ParallelConfig
+from paraxis.planner.inputs import Workload
+from paraxis.planner.model import LayerCount, ModelCounts
+from paraxis.planner.schedule import alive_units, rank_chunks
+
+__all__ = ["BYTES_PER_PARAM", "Memory", "held_params", "layer_activation_bytes",
+           "model_state_bytes", "rank_layers", "rank_memory"]
+
+MiB = 2**20
+# (weights, gradients, optimizer state) bytes per parameter; ZeRO's 2 + 2 + K, K = 12.
+BYTES_PER_PARAM = {"mixed": (2, 2, 12), "fp32": (4, 4, 8)}
+TERMS = ("parameters", "gradients", "optimizer", "activations", "buffers")
+
+
+def model_state_bytes(dense: float, expert: float = 0.0, *, zero: int, n_dense: int,
+                      n_expert: int = 1, precision: str = "mixed") -> tuple[float, ...]:
+    """(weights, gradients, optimizer) bytes of one rank holding ``dense`` and ``expert``
+    parameters, ZeRO stage ``zero`` over ``n_dense`` / ``n_expert`` replicas."""
+    w, g, k = BYTES_PER_PARAM[precision]
+
+    def held(stage: int) -> float:  # the rank's share once ZeRO stage `stage` shards it
+        if zero >= stage:
+            return dense / n_dense + expert / n_expert
+        return dense + expert
+
+    return w * held(3), g * held(2), k * held(1)
+
+
+def layer_activation_bytes(*, s: int, b: int, h: int, a: int, t: int = 1,
+                           sp: bool = False, recompute: str = "none", element: int = 2,
+                           context: int = 1, top_k: int = 1) -> float:
+    """Bytes one transformer layer keeps for its backward (Korthikanti et al., Table 2);
+    ``top_k`` > 1 for a mixture-of-experts layer."""
+    sbh = s * b * h
+    shard = t if sp else 1  # what tensor parallelism alone leaves whole, SP splits
+    if recompute == "full":
+        return element * sbh / shard / context
+    outside = (4 * element + 2) / shard  # 10 at e = 2
+    inside = 12 * element / t  # 24 at e = 2
+    extra = (top_k - 1) * ((element + 1) / shard + 8 * element / t)  # routed MLP copies
+    per_sbh = outside + inside + extra
+    if recompute != "selective":
+        per_sbh += (2 * element + 1) * a * s / (h * t)  # 5as/(ht) at e = 2
+    return sbh * per_sbh / context
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes on one pipeline rank (any of its data/tensor/... peers holds the same)."""
+
+    stage: int
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+    buffers: float
+    notes: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, k) for k in TERMS)
+
+    @property
+    def largest(self) -> tuple[str, float]:
+        return max(((k, getattr(self, k)) for k in TERMS), key=lambda kv: kv[1])
+
+    def as_dict(self) -> dict[str, float]:
+        return {**{k: getattr(self, k) for k in TERMS}, "total": self.total}
+
+
+def rank_layers(counts: ModelCounts, p: int, v: int, rank: int) -> list[LayerCount]:
+    return [counts.layers[i] for start, n in rank_chunks(counts.num_layers, p, v)[rank]
+            for i in range(start, start + n)]
+
+
+def held_params(counts: ModelCounts, layers: list[LayerCount], first: bool, last: bool,
+                 t: int, e: int, p: int) -> tuple[float, float]:
+    """(dense, expert) parameters this rank holds: matrices and the vocabulary split over
+    tensor, norms and biases whole; a tied head is a second copy on the last stage when
+    the embedding lives on another one."""
+    dense = sum(c.matrices / t + c.vectors for c in layers)
+    expert = sum(c.experts / (e * t) for c in layers)
+    if first:
+        dense += counts.embedding / t
+    if last:
+        head = counts.embedding if counts.tied and p > 1 else counts.head
+        dense += head / t + counts.final
+    return dense, expert
+
+
+def rank_memory(counts: ModelCounts, layout: ParallelConfig, work: Workload,
+                rank: int = 0) -> Memory:
+    """Bytes on pipeline rank ``rank`` (0 is the first stage)."""
+    par, sched = layout.parallelism, layout.schedule
+    t, p, e, c, d = par.tensor, par.pipeline, par.expert, par.context, par.data
+    v, m = sched.virtual_stages, sched.microbatches
+    chunks = rank_chunks(counts.num_layers, p, v)[rank]
+    layers = rank_layers(counts, p, v, rank)
+    first, last = rank == 0, rank == p - 1
+    dense, expert = held_params(counts, layers, first, last, t, e, p)
+    weights, grads, optim = model_state_bytes(
+        dense, expert, zero=par.zero, n_dense=d * e * c, n_expert=d * c,
+        precision=work.precision)
+
+    el = work.element_size
+    alive = alive_units(sched.pipeline_schedule, p, m, v, rank)
+    shape = dict(s=work.seq, b=work.micro_batch, h=counts.hidden_size, a=counts.num_heads,
+                 t=t, sp=par.sequence_parallel, recompute=sched.activation_checkpointing,
+                 element=el, context=c)
+    dense_layer = layer_activation_bytes(**shape)
+    moe_layer = layer_activation_bytes(**shape, top_k=counts.top_k)
+    per_chunk = []
+    for start, n in chunks:
+        moe = sum(1 for i in range(start, start + n) if counts.layers[i].experts)
+        per_chunk.append(moe * moe_layer + (n - moe) * dense_layer)
+    # Alive units are taken from the rank's chunks in turn (warm-up runs chunk by chunk).
+    acts = sum(per_chunk) / len(per_chunk) * alive
+    if last:
+        sbh = work.seq * work.micro_batch * counts.hidden_size
+        shard = t if par.sequence_parallel else 1
+        logits = 4 * work.seq * work.micro_batch * counts.vocab_size / t
+        acts += (2 * el * sbh / shard + logits) / c * alive_units(
+            sched.pipeline_schedule, p, m, 1, p - 1)
+    buffers, notes = _buffers(counts, layout, work, layers)
+    notes.update(layers=len(layers), alive_microbatches=alive, chunks=len(chunks))
+    return Memory(rank, weights, grads, optim, acts, buffers, notes)
+
+
+def _buffers(counts: ModelCounts, layout: ParallelConfig, work: Workload,
+             layers: list[LayerCount]) -> tuple[float, dict[str, Any]]:
+    """Data-parallel bucket (zero 0-2), ZeRO-3's gathered layers (the one running and the
+    one prefetched), pipeline receive buffers (an activation and a gradient)."""
+    par = layout.parallelism
+    t, e = par.tensor, par.expert
+    w = BYTES_PER_PARAM[work.precision][0]
+    out: dict[str, Any] = {}
+    if par.data * par.expert * par.context > 1:
+        if par.zero < 3:  # one bucket in flight, never more than the gradients it holds
+            held = sum(c.matrices / t + c.vectors + c.experts / (e * t) for c in layers)
+            grad = BYTES_PER_PARAM[work.precision][1]
+            out["data_bucket"] = min(par.bucket_mb * MiB, held * grad)
+        elif layers:
+            unit = max(c.matrices / t + c.vectors + c.experts / (e * t) for c in layers)
+            out["zero3_gathered"] = 2 * unit * w
+    if par.pipeline > 1:
+        shard = t if par.sequence_parallel else 1
+        out["pipeline_recv"] = 2 * work.micro_batch * work.seq * counts.hidden_size \
+            * work.element_size / shard / par.context
+    return sum(out.values()), {"buffers": out}

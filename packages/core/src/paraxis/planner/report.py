@@ -1,0 +1,147 @@
+"""The plan as text: a few aligned blocks a person reads top to bottom."""
+
+from __future__ import annotations
+
+from paraxis.planner.evaluate import Plan
+from paraxis.planner.inputs import DEFAULT_HARDWARE, Hardware
+from paraxis.planner.schedule import closed_form_bubble
+from paraxis.planner.search import Ranking, why_slower
+from paraxis.planner.units import fmt_bytes, fmt_rate, fmt_seconds
+
+__all__ = ["format_plan", "format_ranking"]
+
+
+def _options(plan: Plan) -> str:
+    par, sched = plan.layout.parallelism, plan.layout.schedule
+    parts = [f"ZeRO-{par.zero}" if par.zero else "no ZeRO"]
+    if par.sequence_parallel:
+        parts.append("sequence parallel")
+    parts.append(f"recompute {sched.activation_checkpointing}")
+    if par.pipeline > 1:
+        v = f" x {sched.virtual_stages} chunks" if sched.virtual_stages > 1 else ""
+        parts.append(f"{sched.pipeline_schedule}{v}")
+    if par.context > 1:
+        parts.append(f"{plan.work.context_impl} context")
+    return ", ".join(parts)
+
+
+def _memory_block(plan: Plan) -> list[str]:
+    worst = plan.worst
+    p = plan.layout.parallelism.pipeline
+    where = f"pipeline stage {worst.stage} of {p}, " if p > 1 else ""
+    lines = [f"memory per rank, most loaded ({where}{worst.notes['layers']} layers, "
+             f"{worst.notes['alive_microbatches']} microbatch(es) of activations alive)"]
+    for name, value in worst.as_dict().items():
+        lines.append(f"  {name:<12} {fmt_bytes(value):>10}")
+    hw = plan.hardware
+    if hw.device_memory:
+        verdict = "fits" if plan.fits else "DOES NOT FIT"
+        keep = f" less {hw.headroom:.0%} headroom" if hw.headroom else ""
+        lines[-1] += f"   {verdict} {fmt_bytes(hw.device_memory)}{keep} " \
+            f"({worst.total / hw.device_memory:.0%} of the device)"
+    return lines
+
+
+def _comm_block(plan: Plan) -> list[str]:
+    if not plan.comm:
+        return ["communication: none (one rank)"]
+    el = plan.work.element_size
+    lines = [f"communication per step per rank (bytes sent, bus convention, {el}-byte "
+             "elements)",
+             f"  {'axis':<9} {'collective':<30} {'bytes':>10}  {'link':<5} {'group':>5}  overlap"]
+    for a in plan.comm:
+        lines.append(f"  {a.axis:<9} {a.collective:<30} {fmt_bytes(a.bytes):>10}  "
+                     f"{a.link:<5} {a.group:>5}  {a.overlap}")
+    return lines
+
+
+def _step_line(plan: Plan) -> list[str]:
+    st = plan.step
+    parts = [f"compute {fmt_seconds(st.compute_s)}"]
+    if st.recompute_s:
+        parts.append(f"recompute {fmt_seconds(st.recompute_s)}")
+    if st.bubble_s:
+        parts.append(f"bubble {fmt_seconds(st.bubble_s)}")
+    parts += [f"{axis} {fmt_seconds(s)}" for axis, s in st.exposed_s.items() if s > 0]
+    lines = [f"step       {fmt_seconds(st.step_s)} ({', '.join(parts)}); MFU {st.mfu:.1%}, "
+             f"{st.tokens_per_s:,.0f} tokens/s",
+             "           a lower bound on time (an upper bound on MFU): matmuls at the peak, "
+             "nothing else costs time"]
+    hw = plan.hardware
+    if not hw.timed:
+        d = DEFAULT_HARDWARE
+        lines.append(f"           assumed {d.peak_flops / 1e12:.0f} TFLOP/s, intra "
+                     f"{fmt_rate(d.intra_bw or 0)}, inter {fmt_rate(d.inter_bw or 0)}; "
+                     "give --peak-flops and --bandwidth for yours")
+    return lines
+
+
+def format_plan(plan: Plan) -> str:
+    w, sched = plan.work, plan.layout.schedule
+    b = plan.bubble
+    lines = [
+        f"model      {plan.counts.describe()}",
+        f"workload   seq {w.seq}, global batch {w.global_batch}, micro-batch "
+        f"{w.micro_batch}, {sched.microbatches} microbatches per replica, {w.precision} "
+        "precision",
+        f"layout     {plan.degrees_text()} (world {plan.layout.world_size}, "
+        f"{plan.hardware.gpus_per_node} per node); {_options(plan)}",
+        "",
+        *_memory_block(plan),
+        "",
+        *_comm_block(plan),
+        "",
+    ]
+    if plan.layout.parallelism.pipeline > 1:
+        how = f"closed form {b.formula}"
+        if b.source != "closed form":
+            closed = closed_form_bubble(sched.pipeline_schedule, plan.layout.parallelism.pipeline,
+                                        sched.microbatches, sched.virtual_stages)
+            how = f"{b.source}; closed form {b.formula} = {closed.fraction:.1%}"
+        lines.append(f"bubble     {b.fraction:.1%} ({sched.pipeline_schedule}, "
+                     f"{sched.microbatches} microbatches; {how})")
+    else:
+        lines.append("bubble     none (no pipeline)")
+    lines += _step_line(plan)
+    return "\n".join(lines)
+
+
+def format_ranking(r: Ranking, *, world: int, top: int, hw: Hardware) -> str:
+    keep = f" less {hw.headroom:.0%} headroom" if hw.headroom else ""
+    fit = f"{len(r.plans)} fit {fmt_bytes(hw.device_memory)}{keep}" if hw.device_memory else \
+        f"{len(r.plans)} ranked (no --device-memory: nothing rejected for size)"
+    lines = [f"searched {r.grids} grids of {world} ranks: {r.valid} valid, {fit}; "
+             f"the best {min(top, len(r.plans))}:",
+             f"  {'#':>2} {'data':>4} {'tensor':>6} {'pipe':>4} {'expert':>6} {'ctx':>3} "
+             f"{'zero':>4} {'sp':>3} {'recompute':<9} {'memory':>10} {'step':>9} "
+             f"{'MFU':>6}  why slower than #1"]
+    best = r.plans[0]
+    for i, plan in enumerate(r.plans[:top], start=1):
+        d, par = plan.layout.degrees, plan.layout.parallelism
+        why = "" if i == 1 else why_slower(plan, best)
+        lines.append(
+            f"  {i:>2} {d['data']:>4} {d['tensor']:>6} {d['pipeline']:>4} {d['expert']:>6} "
+            f"{d['context']:>3} {par.zero:>4} {'yes' if par.sequence_parallel else 'no':>3} "
+            f"{plan.layout.schedule.activation_checkpointing:<9} "
+            f"{fmt_bytes(plan.worst.total):>10} {fmt_seconds(plan.step.step_s):>9} "
+            f"{plan.step.mfu:>6.1%}  {why}".rstrip())
+    lines.append(seed_sentence(r))
+    return "\n".join(lines)
+
+
+def seed_sentence(r: Ranking) -> str:
+    """Where the ranking departs from the seeds' placement order, and why."""
+    order = ("the seeds' placement order (tensor inside a node, pipeline until the state "
+             "fits, experts inside a node, the rest data)")
+    if r.seed is None:
+        return f"{order[0].upper()}{order[1:]} finds no fitting layout here."
+    best = r.plans[0]
+    rank = next((i for i, p in enumerate(r.plans, 1)
+                 if p.layout.degrees == r.seed.layout.degrees), None)
+    grid = r.seed.degrees_text()
+    if rank == 1:
+        return f"The ranking agrees with {order}: {grid}."
+    where = f"#{rank}" if rank else "unranked"
+    return (f"The ranking departs from {order}, which gives {grid} ({where}, "
+            f"{fmt_seconds(r.seed.step.step_s)}): it is slower than #1 because "
+            f"{why_slower(r.seed, best)}.")

@@ -1,0 +1,101 @@
+"""``paraxis plan`` and ``paraxis validate --device-memory`` end to end, in process."""
+
+import json
+import xml.dom.minidom
+
+import pytest
+
+from paraxis.cli import main
+
+TINY = {"vocab_size": 256, "hidden_size": 64, "num_layers": 4, "num_heads": 4,
+        "intermediate_size": 128, "seq_length": 64}
+
+
+@pytest.fixture
+def tiny_yaml(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "parallelism: {data: 2, tensor: 2}\n"
+        "schedule: {microbatches: 2}\n"
+        f"model: {{family: tiny, config: {json.dumps(TINY)}}}\n"
+        "train: {global_batch: 8, seq_length: 64, bf16: true}\n")
+    return path
+
+
+def run(capsys, *argv):
+    code = main(["plan", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_evaluate_prints_memory_communication_bubble_and_step(capsys, tiny_yaml):
+    code, out, err = run(capsys, "--model", tiny_yaml, "--data", 2, "--pipeline", 2,
+                         "--device-memory", "1GB", "--explain")
+    assert code == 0, err
+    for text in ("memory per rank", "pipeline stage 0 of 2", "fits 1.00 GB", "send/recv",
+                 "bubble", "MFU", "assumed", "1. Resident", "6. Failure modes"):
+        assert text in out, text
+
+
+def test_json_has_the_documented_keys(capsys, tiny_yaml):
+    code, out, _ = run(capsys, "--model", tiny_yaml, "--data", 2, "--tensor", 2, "--zero", 1,
+                       "--peak-flops", "100T", "--bandwidth", "intra=100GB/s,inter=10GB/s",
+                       "--json")
+    assert code == 0
+    plan = json.loads(out)
+    assert set(plan["memory"]) >= {"parameters", "gradients", "optimizer", "activations",
+                                   "buffers", "total"}
+    assert set(plan["communication"]) == {"data", "tensor"}
+    assert plan["config"]["data"] == 2 and plan["config"]["zero"] == 1
+    assert plan["bubble"] == 0.0 and plan["step_time_s"] > 0 and 0 < plan["mfu"] <= 1
+
+
+def test_json_omits_step_time_without_peak_and_bandwidth(capsys, tiny_yaml):
+    code, out, _ = run(capsys, "--model", tiny_yaml, "--json")
+    assert code == 0 and "step_time_s" not in json.loads(out)
+
+
+def test_search_ranks_and_svg_parses(capsys, tiny_yaml, tmp_path):
+    svg = tmp_path / "plan.svg"
+    code, out, err = run(capsys, "--model", tiny_yaml, "--world-size", 4,
+                         "--gpus-per-node", 2, "--device-memory", "1GB", "--svg", svg)
+    assert code == 0, err
+    assert "searched" in out and "why slower than #1" in out and "seeds' placement" in out
+    assert "the best layout, #1" in out
+    doc = xml.dom.minidom.parse(str(svg))
+    assert doc.documentElement.tagName == "svg"
+    code, out, _ = run(capsys, "--model", tiny_yaml, "--world-size", 4, "--json")
+    assert code == 0 and json.loads(out)["search"]["ranking"]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--device-memory", "80 gigs"], "--device-memory '80 gigs' is not a quantity"),
+    (["--tensor", 3], "must be divisible by the tensor degree 3"),
+    (["--world-size", 6, "--data", 2, "--tensor", 2, "--pipeline", 1, "--expert", 1,
+      "--context", 1], "is not the product of the degrees"),
+    (["--world-size", 6, "--tensor", 4], "do not divide --world-size 6"),
+    (["--bandwidth", "intra=1GB/s"], "lacks inter"),
+    (["--headroom", 1.5], "--headroom 1.5 must be in [0, 1)"),
+    (["--world-size", 2, "--device-memory", "1kB"], "no layout of 2 ranks fits"),
+])
+def test_bad_input_is_one_line_and_exit_1(capsys, tiny_yaml, argv, message):
+    code, out, err = run(capsys, "--model", tiny_yaml, *argv)
+    assert code == 1 and out == ""
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_unknown_model_type_is_one_line(capsys, tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "no_such_model", "hidden_size": 8}')
+    code, _, err = run(capsys, "--model", tmp_path)
+    assert code == 1 and "model_type 'no_such_model'" in err and err.count("\n") == 1
+
+
+def test_validate_warns_when_the_plan_does_not_fit(capsys, tiny_yaml):
+    code = main(["validate", "--config", str(tiny_yaml), "--device-memory", "1MB"])
+    out, err = capsys.readouterr()
+    assert code == 0 and "valid" in out
+    assert "warning:" in err and "the largest term is" in err
+    assert main(["validate", "--config", str(tiny_yaml), "--device-memory", "80GB"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert main(["validate", "--config", str(tiny_yaml), "--device-memory", "lots"]) == 1
+    assert "--device-memory 'lots'" in capsys.readouterr().err

@@ -1,0 +1,39 @@
+"""Stages, alive microbatches and the bubble, without processes."""
+
+import pytest
+
+from paraxis.planner.schedule import alive_units, bubble, closed_form_bubble, rank_chunks
+
+
+def test_rank_chunks_cover_every_layer_once_first_stages_take_the_remainder():
+    assert rank_chunks(10, 4) == [[(0, 3)], [(3, 3)], [(6, 2)], [(8, 2)]]
+    inter = rank_chunks(8, 2, 2)  # global stage k on rank k % p
+    assert inter == [[(0, 2), (4, 2)], [(2, 2), (6, 2)]]
+
+
+def test_alive_microbatches_per_schedule():
+    assert [alive_units("1f1b", 4, 8, 1, r) for r in range(4)] == [4, 3, 2, 1]
+    assert alive_units("1f1b", 4, 2, 1, 0) == 2  # never more than there are
+    assert alive_units("gpipe", 4, 8, 1, 3) == 8
+    assert alive_units("zero_bubble_h1", 4, 8, 1, 0) == 4
+    assert alive_units("interleaved_1f1b", 4, 8, 2, 0) == 2 * 3 + 4 + 1
+    assert alive_units("gpipe", 1, 8, 1, 0) == 1  # no pipeline: one after another
+
+
+@pytest.mark.parametrize(("schedule", "v", "expected"), [
+    ("gpipe", 1, 3 / 11), ("1f1b", 1, 3 / 11), ("interleaved_1f1b", 2, 3 / 19),
+    ("zero_bubble_h1", 1, 3 / 27),
+])
+def test_closed_form_bubbles(schedule, v, expected):
+    assert closed_form_bubble(schedule, 4, 8, v).fraction == pytest.approx(expected)
+    assert closed_form_bubble(schedule, 1, 8, v).fraction == 0.0
+
+
+def test_simulator_agrees_with_the_closed_form_when_installed():
+    pytest.importorskip("paraxis_pp")
+    for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2)):
+        simulated = bubble(schedule, 4, 8, v)
+        assert simulated.source == "paraxis_pp simulation"
+        assert simulated.fraction == pytest.approx(closed_form_bubble(schedule, 4, 8, v)
+                                                   .fraction, abs=0.02)
+    assert bubble("1f1b", 4, 8, simulate=False).source == "closed form"

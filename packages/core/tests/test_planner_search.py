@@ -1,0 +1,100 @@
+"""Enumerating, fitting and ranking layouts, without processes."""
+
+import pytest
+
+from paraxis.planner.evaluate import evaluate, make_layout, problems
+from paraxis.planner.inputs import Hardware, Workload
+from paraxis.planner.model import LayerCount, ModelCounts
+from paraxis.planner.search import grids, search, why_slower
+
+H, A, LAYERS, V = 4096, 32, 32, 32000
+
+
+def llama7b() -> ModelCounts:
+    layer = LayerCount(matrices=4 * H * H + 3 * H * 11008, vectors=2 * H, experts=0)
+    return ModelCounts(family="llama", embedding=V * H, layers=(layer,) * LAYERS, final=H,
+                       head=V * H, tied=False, non_embedding=LAYERS * layer.total + V * H,
+                       hidden_size=H, num_heads=A, kv_heads=A, head_dim=H // A,
+                       vocab_size=V, intermediate_size=11008, max_seq=4096)
+
+
+WORK = Workload(seq=2048, global_batch=64, micro_batch=1)
+
+
+def test_grids_are_every_factorization_with_fixed_degrees_kept():
+    assert len(list(grids(8, {}))) == 35  # three factors of 2 over five axes: C(7, 4)
+    assert len(list(grids(8, {}, experts=False))) == 20
+    fixed = list(grids(8, {"tensor": 2}))
+    assert fixed and all(g["tensor"] == 2 for g in fixed)
+    assert list(grids(8, {"tensor": 3})) == []
+
+
+def test_search_ranks_fitting_layouts_by_step_time():
+    hw = Hardware(gpus_per_node=8, device_memory=40e9, peak_flops=300e12, intra_bw=300e9,
+                  inter_bw=25e9)
+    ranking = search(llama7b(), WORK, hw, world=16, fixed={}, options={})
+    assert ranking.plans and ranking.valid <= ranking.grids
+    times = [p.step.step_s for p in ranking.plans]
+    assert times == sorted(times)
+    for plan in ranking.plans:
+        assert plan.worst.total <= 40e9
+        assert problems(plan.counts, plan.layout, WORK, world_size=16) == []
+    # 7B in mixed precision is 16 x 6.7 GB of model state unsharded: nothing fits 40 GB
+    # without sharding it somehow.
+    assert all(p.layout.parallelism.zero or p.layout.parallelism.tensor > 1
+               or p.layout.parallelism.pipeline > 1 for p in ranking.plans)
+    assert ranking.seed is not None
+    assert ranking.seed.layout.parallelism.zero <= 1  # pipeline stages make it fit
+
+
+def test_search_reports_the_closest_when_nothing_fits():
+    hw = Hardware(device_memory=1e9)
+    ranking = search(llama7b(), WORK, hw, world=2, fixed={}, options={})
+    assert ranking.plans == () and ranking.closest is not None
+    assert ranking.closest.worst.total > 1e9
+
+
+def test_fixed_options_are_kept():
+    ranking = search(llama7b(), WORK, Hardware(), world=4, fixed={"tensor": 2},
+                     options={"activation_checkpointing": "full"})
+    assert all(p.layout.degrees["tensor"] == 2 for p in ranking.plans)
+    assert {p.layout.schedule.activation_checkpointing for p in ranking.plans} == {"full"}
+
+
+def test_why_slower_names_the_biggest_cause():
+    hw = Hardware(gpus_per_node=4, peak_flops=300e12, intra_bw=300e9, inter_bw=25e9)
+    fast = evaluate(llama7b(), make_layout({"data": 8}, {}, WORK), WORK, hw)
+    cross = evaluate(llama7b(), make_layout({"tensor": 8}, {}, WORK), WORK, hw)
+    assert "tensor all-reduce over inter" in why_slower(cross, fast)
+    piped = evaluate(llama7b(), make_layout({"pipeline": 8}, {}, WORK), WORK, hw,
+                     simulate=False)
+    lean = evaluate(llama7b(), make_layout({"data": 8}, {"activation_checkpointing": "full"},
+                                           WORK), WORK, hw)
+    assert why_slower(piped, fast).startswith("bubble")
+    assert why_slower(lean, fast).startswith("recomputes (full)")
+    assert why_slower(fast, fast) == "same time, more moving parts"
+
+
+def test_evaluate_problems_come_from_validation():
+    layout = make_layout({"tensor": 3}, {}, WORK)
+    fields = {p.field for p in problems(llama7b(), layout, WORK, world_size=3)}
+    assert {"model.hidden_size", "model.num_attention_heads"} <= fields
+    layout = make_layout({"data": 3}, {}, WORK)
+    assert [p.field for p in problems(llama7b(), layout, WORK)] == ["global_batch"]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble_h1"])
+def test_first_stage_is_the_most_loaded_under_pipelines(schedule):
+    layout = make_layout({"pipeline": 4}, {"pipeline_schedule": schedule}, WORK)
+    plan = evaluate(llama7b(), layout, WORK, Hardware(), simulate=False)
+    assert len(plan.memory) == 4
+    if schedule != "gpipe":
+        assert plan.worst.stage == 0
+
+
+def test_headroom_is_kept_free_for_what_the_plan_does_not_count():
+    layout = make_layout({"data": 8}, {"zero": 3}, WORK)
+    total = evaluate(llama7b(), layout, WORK, Hardware()).worst.total
+    for headroom, fits in ((0.0, True), (0.1, False)):
+        hw = Hardware(device_memory=total / 0.95, headroom=headroom)
+        assert evaluate(llama7b(), layout, WORK, hw).fits is fits
