@@ -76,6 +76,7 @@ def test_why_slower_names_the_biggest_cause():
 
 
 def test_evaluate_problems_come_from_validation():
+    pytest.importorskip("paraxis_tp")  # the tensor axis' rules live in its package
     layout = make_layout({"tensor": 3}, {}, WORK)
     fields = {p.field for p in problems(llama7b(), layout, WORK, world_size=3)}
     assert {"model.hidden_size", "model.num_attention_heads"} <= fields

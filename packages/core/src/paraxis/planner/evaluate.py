@@ -41,8 +41,14 @@ def make_layout(degrees: dict[str, int], options: dict[str, Any], work: Workload
 
 def problems(counts: ModelCounts, layout: ParallelConfig, work: Workload, *,
              world_size: int | None = None, plugin_manager: Any = None) -> list[Problem]:
-    """Every rule the layout breaks for this model and workload."""
+    """Every rule the layout breaks for this model and workload: core's, the planner's
+    own (Ulysses heads), and those of every installed axis package (the same rules a run
+    checks; an axis whose package is not installed has none here)."""
     par = layout.parallelism
+    if plugin_manager is None:
+        from paraxis.plugins import make_plugin_manager
+
+        plugin_manager = make_plugin_manager()
     found = check(layout, world_size=world_size, model=counts.shape(work.seq))
     replicas = par.data * par.expert * work.micro_batch
     if work.global_batch % replicas:
@@ -56,9 +62,8 @@ def problems(counts: ModelCounts, layout: ParallelConfig, work: Workload, *,
                 found.append(Problem(
                     f"model.{name}", heads, "Ulysses splits heads over tensor x context = "
                     f"{par.tensor * par.context}", "use ring context parallelism"))
-    if plugin_manager is not None:
-        plugin_manager.hook.paraxis_validate_config(config=layout, model=counts.shape(
-            work.seq), problems=found)
+    plugin_manager.hook.paraxis_validate_config(config=layout, model=counts.shape(work.seq),
+                                                problems=found)
     return found
 
 
