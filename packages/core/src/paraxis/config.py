@@ -22,13 +22,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError
 
 from paraxis.errors import ConfigError, Problem
 
 __all__ = [
     "AXES",
     "CheckpointConfig",
+    "MoEConfig",
+    "Offload",
     "ParallelConfig",
     "Parallelism",
     "ScheduleConfig",
@@ -43,6 +45,19 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class Offload(_Section):
+    """Where ZeRO keeps optimizer state and parameters between uses (ZeRO-Offload,
+    ZeRO-Infinity; the DeepSpeed bridge, paraxis-deepspeed, does the moving)."""
+
+    optimizer: Literal["none", "cpu", "nvme"] = "none"
+    parameters: Literal["none", "cpu", "nvme"] = "none"
+    nvme_path: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.optimizer != "none" or self.parameters != "none"
+
+
 class Parallelism(_Section):
     """Degree of every grid axis, the ZeRO stage and data-parallel bucket size."""
 
@@ -53,7 +68,10 @@ class Parallelism(_Section):
     context: PositiveInt = 1
     zero: Literal[0, 1, 2, 3] = 0
     sequence_parallel: bool = False
+    # How the context axis splits attention: ring (K/V circulate) or Ulysses (heads).
+    context_mode: Literal["ring", "ulysses"] = "ring"
     bucket_mb: float = Field(default=25.0, gt=0)
+    offload: Offload = Offload()
 
 
 class ScheduleConfig(_Section):
@@ -66,6 +84,22 @@ class ScheduleConfig(_Section):
     virtual_stages: PositiveInt = 1  # model chunks per pipeline rank (interleaved)
     # First layer of each stage after the first; None: balance by estimated cost.
     pipeline_split: list[int] | None = None
+
+
+class MoEConfig(_Section):
+    """Mixture-of-experts routing under expert parallelism (paraxis-moe-ep).
+
+    ``capacity_factor`` None is dropless (the Hugging Face model's own behaviour);
+    otherwise each expert keeps at most ``max(min_capacity, ceil(factor x tokens x top_k
+    / experts))`` of a rank's assignments, chosen by ``drop_policy``, before the
+    exchange. ``aux_loss_coef`` None takes the model's ``router_aux_loss_coef``.
+    """
+
+    capacity_factor: float | None = Field(default=None, gt=0)
+    drop_policy: Literal["probs", "position"] = "probs"
+    min_capacity: NonNegativeInt = 4
+    aux_loss_coef: float | None = Field(default=None, ge=0)
+    z_loss_coef: float = Field(default=0.0, ge=0)
 
 
 class CheckpointConfig(_Section):
@@ -82,6 +116,7 @@ class ParallelConfig(_Section):
     parallelism: Parallelism = Parallelism()
     schedule: ScheduleConfig = ScheduleConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    moe: MoEConfig = MoEConfig()
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -108,7 +143,8 @@ class ParallelConfig(_Section):
         :class:`CheckpointConfig` may be given flat; a section may also be given whole
         (``schedule={...}``).
         """
-        sections: dict[str, dict[str, Any]] = {"parallelism": {}, "schedule": {}, "checkpoint": {}}
+        sections: dict[str, dict[str, Any]] = {
+            "parallelism": {}, "schedule": {}, "checkpoint": {}, "moe": {}}
         owners = {
             name: section
             for section, model in (

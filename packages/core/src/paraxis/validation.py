@@ -33,6 +33,7 @@ class ModelShape:
     intermediate_size: int | None = None
     num_experts: int = 0
     seq_length: int | None = None
+    experts_per_token: int | None = None  # the router's top-k
 
     @property
     def kv_heads(self) -> int:
@@ -59,6 +60,7 @@ class ModelShape:
             intermediate_size=first("intermediate_size", "n_inner"),
             num_experts=first("num_local_experts", "num_experts", "n_routed_experts", default=0),
             seq_length=seq_length or first("max_position_embeddings", "n_positions"),
+            experts_per_token=first("num_experts_per_tok", "moe_topk", "top_k"),
         )
 
     @classmethod
