@@ -45,13 +45,25 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", *session.posargs, env=TEST_ENV)
 
 
+def _with_test_extra(package: str) -> str:
+    """``./package[test]`` when the package declares test-only dependencies (a package
+    whose tests build Hugging Face models from config needs transformers)."""
+    meta = nox.project.load_toml(f"{package}/pyproject.toml")["project"]
+    extras = meta.get("optional-dependencies", {})
+    return f"./{package}[test]" if "test" in extras else f"./{package}"
+
+
 @nox.session
 @nox.parametrize("package", PACKAGES)
 def tests_isolated(session: nox.Session, package: str) -> None:
     """One package's tests with only core and that package installed (not editable),
-    which is how a user who installs one axis gets it."""
+    which is how a user who installs one axis gets it; a package needing another
+    paraxis package (an integration) lists it under ``[tool.paraxis] requires``."""
     session.install(TORCH)
-    session.install(*{f"./{CORE}", f"./{package}"}, "pytest", "pytest-timeout")
+    meta = nox.project.load_toml(f"{package}/pyproject.toml")
+    needs = meta.get("tool", {}).get("paraxis", {}).get("requires", [])
+    session.install(*{f"./{CORE}", _with_test_extra(package), *(f"./{n}" for n in needs)},
+                    "pytest", "pytest-timeout")
     session.run("pytest", f"{package}/tests", *session.posargs, env=TEST_ENV)
 
 
@@ -77,7 +89,6 @@ def demo(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Paired benchmarks against the peers; each rewrites its section of RESULTS.md."""
     install_all(session)
-    for script in ("benchmarks/dp_vs_ddp.py", "benchmarks/tp_vs_dtensor.py",
-                   "benchmarks/pp_vs_torch.py"):
+    for script in sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("benchmarks/*_vs_*.py")):
         session.run("torchrun", "--nproc-per-node", "2", script, *session.posargs,
                     env={"OMP_NUM_THREADS": "1"})
