@@ -12,6 +12,12 @@ Loading computes, for each local tensor, the region it needs from its placement 
 reads only the overlapping parts of the shards, so a checkpoint saved on one grid can
 restore on another.
 
+An optimizer that keeps the weights and their state itself, partitioned its own way
+(the DeepSpeed bridge), implements ``checkpoint_state(param)`` (collective: the value
+and optimizer state laid out as the parameter's placement says, or None where this rank
+does not write them) and ``load_checkpoint_state(param, value, state)``; the format
+is the same either way.
+
 Writes are atomic: every rank writes into a temporary directory, rank 0 writes the
 index, renames the directory, then replaces ``latest``.
 """
@@ -78,14 +84,22 @@ def _local_entries(engine: Engine) -> tuple[dict[str, torch.Tensor], dict[str, A
                         "offsets": offsets, "whole": whole}
 
     coords = engine.grid.coords
+    held = getattr(engine.optimizer, "checkpoint_state", None)
     for param in engine.model.parameters():
         rec = placement_of(param)
-        if not _owner(rec, coords):
+        if held is not None:  # an optimizer that holds the weights decides who writes
+            got = held(param)
+            if got is None:
+                continue
+            value, state = got
+        elif not _owner(rec, coords):
             continue
-        for suffix, view, shape, region in _pieces(param, rec):
+        else:
+            value, state = param, engine.optimizer.state.get(param, {})
+        for suffix, view, shape, region in _pieces(value, rec):
             put(f"model/{rec.name}{suffix}", view, shape, region)
-        for k, v in engine.optimizer.state.get(param, {}).items():
-            if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(param.shape):
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(value.shape):
                 for suffix, view, shape, region in _pieces(v, rec):
                     put(f"optim/{rec.name}{suffix}/{k}", view, shape, region)
             elif isinstance(v, torch.Tensor):
@@ -264,12 +278,17 @@ def load_checkpoint(engine: Engine, directory: str | os.PathLike[str]) -> None:
                          f"{FORMAT_VERSION}")
     reader = _Reader(ckpt, index)
     optimizer_keys = _optimizer_keys(index)
+    give = getattr(engine.optimizer, "load_checkpoint_state", None)
     for param in engine.model.parameters():
         rec = placement_of(param)
-        for suffix, view, _, region in _pieces(param, rec):
+        # An optimizer that holds the weights (DeepSpeed's partitions) takes them whole.
+        value = param if give is None else torch.zeros(rec.local_shape, dtype=rec.dtype)
+        for suffix, view, _, region in _pieces(value, rec):
             view.copy_(reader.read(f"model/{rec.name}{suffix}", region))
-        state = _load_optimizer_state(reader, optimizer_keys.get(rec.name, {}), param, rec)
-        if state:
+        state = _load_optimizer_state(reader, optimizer_keys.get(rec.name, {}), value, rec)
+        if give is not None:
+            give(param, value, state)
+        elif state:
             engine.optimizer.state[param] = state
     for group, saved in zip(engine.optimizer.param_groups,
                             index["optimizer"]["param_groups"], strict=True):
