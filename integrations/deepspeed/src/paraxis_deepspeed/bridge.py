@@ -156,7 +156,9 @@ class DeepSpeedOptimizer:
         if self.stage3:
             import deepspeed
 
-            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+            # modifier_rank: the group's first rank's copy is re-partitioned (None would
+            # discard the change); every rank sets the same value.
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
                 param.data.copy_(value.to(param.dtype))
         else:
             param.data.copy_(value.to(param.dtype))
@@ -165,18 +167,19 @@ class DeepSpeedOptimizer:
         return max((int(st.get("step", 0)) for st in self.state.values()), default=0)
 
     def _ensure_adam_state(self) -> None:
-        """ZeRO-1/2 create AdamW's state at the first step; a checkpoint loaded before
-        it needs the state (and DeepSpeed's links to it) now."""
-        if self.stage3 or getattr(self.zero, "_hp_optimizer_states_linked", True):
-            return
-        for group in self.zero.optimizer.param_groups:
-            for flat in group["params"]:
-                st = self.state[flat]
-                if not st:
-                    st["step"] = 0
-                    st["exp_avg"] = torch.zeros_like(flat, dtype=torch.float32)
-                    st["exp_avg_sq"] = torch.zeros_like(flat, dtype=torch.float32)
-        self.zero._lazy_init_hp_params_optimizer_state()
+        """DeepSpeed's AdamW creates its state at the first step; a checkpoint loaded
+        before it needs the state (and, under ZeRO-1/2, DeepSpeed's links to it) now:
+        the same tensors the first step would create (step 0, zero moments)."""
+        flats = (self.zero.fp32_partitioned_groups_flat if self.stage3 else
+                 [p for g in self.zero.optimizer.param_groups for p in g["params"]])
+        for flat in flats:
+            st = self.state[flat]
+            if not st:
+                st["step"] = 0
+                st["exp_avg"] = torch.zeros_like(flat, dtype=torch.float32)
+                st["exp_avg_sq"] = torch.zeros_like(flat, dtype=torch.float32)
+        if not self.stage3 and not getattr(self.zero, "_hp_optimizer_states_linked", True):
+            self.zero._lazy_init_hp_params_optimizer_state()
 
 
 def full_weights(model: nn.Module, optimizer: Any) -> dict[str, torch.Tensor]:

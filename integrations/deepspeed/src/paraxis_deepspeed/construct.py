@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from importlib import metadata
 from typing import Any
 
 __all__ = ["partitioned_construction", "wants_partitioned_construction"]
@@ -37,12 +38,18 @@ def partitioned_construction(config: Any) -> contextlib.AbstractContextManager[A
 def _zero_init(config: Any) -> Iterator[None]:
     import deepspeed
 
+    from paraxis_deepspeed.ops import extension_cache
     from paraxis_deepspeed.translate import deepspeed_config
 
+    extension_cache()
     hidden = config.model.config.get("hidden_size") or config.model.config.get("n_embd")
     ds_config = deepspeed_config(config, config.train, hidden_size=hidden)
+    # DeepSpeed's communication layer over the already joined default group; without it
+    # zero.Init would read its config for a world of one.
+    deepspeed.init_distributed(dist_init_required=False)
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_transformers_knows(ds_config))
+        if config.model.family != "tiny":  # plain torch modules initialize in __init__
+            stack.enter_context(_transformers_knows(ds_config))
         stack.enter_context(deepspeed.zero.Init(config_dict_or_path=ds_config))
         yield
 
@@ -50,13 +57,17 @@ def _zero_init(config: Any) -> Iterator[None]:
 @contextlib.contextmanager
 def _transformers_knows(ds_config: dict[str, Any]) -> Iterator[None]:
     """Keep transformers' DeepSpeed config alive (it holds it by weak reference), so a
-    Hugging Face model initializes its partitioned weights under GatheredParameters."""
+    Hugging Face model initializes its partitioned weights under GatheredParameters.
+    Without it transformers would initialize empty partitions: refused, not mistrained."""
     try:
         from transformers.integrations import HfDeepSpeedConfig
-    except ImportError:
-        yield
-        return
-    keep = HfDeepSpeedConfig(ds_config)
+
+        keep = HfDeepSpeedConfig(ds_config)
+    except (ImportError, metadata.PackageNotFoundError) as exc:
+        raise RuntimeError(
+            "paraxis-deepspeed: building a Hugging Face model partitioned (ZeRO-3 offload) "
+            "needs transformers' DeepSpeed integration, which needs accelerate "
+            f"({exc}); pip install 'accelerate>=1.1.0'") from None
     try:
         yield
     finally:
