@@ -122,3 +122,25 @@ def test_validate_show_deepspeed_prints_the_generated_dict(tmp_path, capsys):
     generated = json.loads(out[out.index("{"):])
     assert generated["zero_optimization"]["reduce_bucket_size"] == 48 * 48
     assert generated["gradient_accumulation_steps"] == 2
+
+
+def test_a_slow_extension_build_is_announced_until_done(monkeypatch):
+    import time
+
+    from paraxis_deepspeed import ops
+
+    class SlowBuilder:
+        name = "cpu_adam"
+
+        def load(self, verbose=False):
+            time.sleep(0.5)
+
+    monkeypatch.setattr(ops, "_builders", lambda: [SlowBuilder()])
+    monkeypatch.setattr(ops, "QUIET_S", 0.05)
+    monkeypatch.setattr(ops, "HEARTBEAT_S", 0.1)
+    said = []
+    ops.build_ops(said.append)
+    time.sleep(0.2)  # the announcer's last line
+    assert said[0].startswith("paraxis-deepspeed: building DeepSpeed's cpu_adam")
+    assert any("still compiling cpu_adam" in s for s in said)
+    assert said[-1].startswith("paraxis-deepspeed: cpu_adam ready after")

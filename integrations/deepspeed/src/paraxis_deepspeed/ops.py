@@ -78,7 +78,7 @@ def _announce(name: str, say: Callable[[str], None], done: threading.Event) -> N
     since = time.perf_counter()
     if done.wait(QUIET_S):
         return
-    say(f"paraxis-deepspeed: compiling DeepSpeed's {name} extension (first use in this "
+    say(f"paraxis-deepspeed: building DeepSpeed's {name} extension (compiled on first use in this "
         "environment: about a minute, several on a busy machine)")
     lock = os.path.join(_get_build_directory(name, verbose=False), "lock")
     while not done.wait(HEARTBEAT_S):
