@@ -85,17 +85,44 @@ class ExpertParallelExperts(nn.Module):
             keep = grouped_keep_mask(top_k_index, top_k_weights, self.dispatcher.num_experts,
                                      self.moe, self.capacity_groups)
         timer, moved = None, {}
-        if self.stats is not None and hidden_states.requires_grad:
+        counting = self.stats is not None and torch.is_grad_enabled()  # not in evaluation
+        if counting and hidden_states.requires_grad:
             timer = BackwardTimer(lambda label, s: self._backward_segment(label, s, moved))
+        if keep is None and self.dispatcher.group.size == 1:
+            return self._alone(hidden_states, top_k_index, top_k_weights, timer, moved)
         d = self.dispatcher.dispatch(hidden_states, top_k_index, keep, timer)
-        moved.update(total=d.bytes_out, per_expert=d.bytes_per_expert(), share=self._share(d))
+        moved.update(total=d.bytes_out, per_expert=d.bytes_per_expert(),
+                     share=self._share(d.recv_counts.sum(0)))
         start = time.perf_counter()
         out = self._local_experts(d)
         compute_s = time.perf_counter() - start
         y, combine_s = self.dispatcher.combine(out, d, top_k_weights, keep, timer)
-        if self.stats is not None and torch.is_grad_enabled():  # not in evaluation
-            self._record(d, top_k_index, compute_s, d.seconds + combine_s)
+        if counting:
+            self._record(d, top_k_index, compute_s, d.seconds + combine_s, moved)
         return y.to(hidden_states.dtype)
+
+    def _alone(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+               top_k_weights: torch.Tensor, timer: BackwardTimer | None,
+               moved: dict[str, Any]) -> torch.Tensor:
+        """A group of one rank, dropless (``expert: 1``): nothing to exchange, so the
+        model's own forward runs as it is, routing weights and all; only counted."""
+        counts = torch.bincount(top_k_index.reshape(-1), minlength=self.dispatcher.num_experts)
+        moved["share"] = self._share(counts)
+        x = timer.point(hidden_states, "compute") if timer is not None else hidden_states
+        start = time.perf_counter()
+        y = super().forward(x, top_k_index, top_k_weights)
+        compute_s = time.perf_counter() - start
+        if timer is not None:
+            y = timer.point(y, None)
+        stats = self.stats
+        if stats is not None and torch.is_grad_enabled():
+            stats.add("expert_compute_s", compute_s)
+            stats.add("compute_s_per_expert", moved["share"] * compute_s)
+            if self.recording:
+                for name in ("assigned", "accepted", "processed"):
+                    stats.add(name, counts)
+                stats.add("forwards", 1)
+        return y
 
     def _local_experts(self, d: Dispatched) -> torch.Tensor:
         """The model's own experts forward on this rank's rows (local ids, unit weights)."""
@@ -110,24 +137,25 @@ class ExpertParallelExperts(nn.Module):
             out = tokens * 0.0 + params * 0.0
         return out
 
-    def _share(self, d: Dispatched) -> torch.Tensor:
+    def _share(self, local_rows: torch.Tensor) -> torch.Tensor:
         """(E,) fraction of this rank's expert rows computed by each expert (zero for
-        remote experts): how a grouped GEMM's seconds are apportioned to experts."""
+        remote experts), from the rows of each local expert: how a grouped GEMM's
+        seconds are apportioned to experts."""
         first, last = self.dispatcher.local_range()
-        rows = d.recv_counts.sum(0).double()
+        rows = local_rows.detach().to("cpu", torch.float64)
         share = torch.zeros(self.dispatcher.num_experts, dtype=torch.float64)
-        share[first:last] = rows.cpu() / max(float(rows.sum()), 1.0)
+        share[first:last] = rows / max(float(rows.sum()), 1.0)
         return share
 
     def _record(self, d: Dispatched, top_k_index: torch.Tensor, compute_s: float,
-                exchange_s: float) -> None:
+                exchange_s: float, moved: dict[str, Any]) -> None:
         stats = self.stats
         assert stats is not None
         stats.add("dispatch_bytes", d.bytes_out)
-        stats.add("bytes_per_expert", d.bytes_per_expert())
+        stats.add("bytes_per_expert", moved["per_expert"])
         stats.add("dispatch_s", exchange_s)
         stats.add("expert_compute_s", compute_s)
-        stats.add("compute_s_per_expert", self._share(d) * compute_s)
+        stats.add("compute_s_per_expert", moved["share"] * compute_s)
         if not self.recording:
             return
         assigned = torch.bincount(top_k_index.reshape(-1), minlength=self.dispatcher.num_experts)
