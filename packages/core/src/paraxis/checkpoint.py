@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from paraxis.collectives import all_gather_object, barrier
 from paraxis.placement import Placement, placement_of
 
 if TYPE_CHECKING:
@@ -117,12 +117,11 @@ def save_checkpoint(engine: Engine, directory: str | os.PathLike[str]) -> str:
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    dist.barrier()
+    barrier(engine.grid.world)
     filename = f"rank{rank:05d}.safetensors"
     tensors, entries = _local_entries(engine)
     save_file(tensors, str(tmp / filename))
-    gathered: list[Any] = [None] * engine.grid.world_size
-    dist.all_gather_object(gathered, (filename, entries, random.getstate()))
+    gathered = all_gather_object((filename, entries, random.getstate()), engine.grid.world)
     if rank == 0:
         index = _index(engine, gathered)
         (tmp / "index.json").write_text(json.dumps(index, indent=1))
@@ -132,7 +131,7 @@ def save_checkpoint(engine: Engine, directory: str | os.PathLike[str]) -> str:
         pointer = root / ".latest.tmp"
         pointer.write_text(name + "\n")
         os.replace(pointer, root / "latest")
-    dist.barrier()
+    barrier(engine.grid.world)
     return str(root / name)
 
 
@@ -288,4 +287,4 @@ def load_checkpoint(engine: Engine, directory: str | os.PathLike[str]) -> None:
             stream.set_state(reader.read(f"rng/rank{rank}/{name}"))
         version, internal, gauss = index["python_rng"][rank]
         random.setstate((version, tuple(internal), gauss))
-    dist.barrier()
+    barrier(engine.grid.world)
