@@ -109,7 +109,7 @@ def test_one_writer_per_directory_and_no_orphans(tmp_path):
     while workers_of(ckpt) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not workers_of(ckpt), "workers outlived their launcher"
-    code, out, err = run(ckpt, steps=12)
+    code, _, err = run(ckpt, steps=12)
     assert code == 0 and "taking over the lock" in err, err[-2000:]
 
 

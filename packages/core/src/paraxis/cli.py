@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from paraxis.checkpoint_inspect import add_checkpoint_commands
 from paraxis.errors import ConfigError
 from paraxis.launcher import add_launch_arguments
 from paraxis.lifecycle import LOCK_ENV, DirectoryLock, LockedError, die_with_parent
@@ -133,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_launch_arguments(tr)
     tr.set_defaults(func=_cmd_train)
     add_plan_parser(sub)
+    add_checkpoint_commands(sub)
     make_plugin_manager().hook.paraxis_cli_commands(subparsers=sub)
     return parser
 

@@ -270,8 +270,9 @@ class Engine:
 
         return save_checkpoint(self, directory)
 
-    def load(self, directory: str) -> None:
-        """Restore from ``directory`` (its ``latest`` pointer, or a step directory)."""
+    def load(self, directory: str, *, verify: bool = True) -> None:
+        """Restore from ``directory`` (its ``latest`` pointer, or a step directory);
+        ``verify`` checks every file's checksum first."""
         from paraxis.checkpoint import load_checkpoint
 
-        load_checkpoint(self, directory)
+        load_checkpoint(self, directory, verify=verify)
