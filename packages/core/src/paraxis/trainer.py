@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import statistics
 import time
@@ -16,6 +17,7 @@ from torch import nn
 from paraxis.api import parallelize
 from paraxis.data import BatchStream, load_tokenizer, pack
 from paraxis.engine import Engine
+from paraxis.lifecycle import StopRequest
 from paraxis.plugins import make_plugin_manager
 from paraxis.run_config import ModelSection, RunConfig
 from paraxis.tiny import TinyConfig, TinyTransformer
@@ -132,6 +134,8 @@ def train(cfg: RunConfig, history: list[dict[str, float]] | None = None) -> dict
             "seq_length": cfg.train.seq_length}})
     engine = parallelize(build_model(model_spec, pm, seed=cfg.train.seed), config=cfg,
                          train=cfg.train, plugin_manager=pm)
+    signals = StopRequest().install()
+    engine.stop_request = signals
     grid = engine.grid
     rows = pack(cfg.data, cfg.train.seq_length, tokenizer)
     index, count = grid.sample_shard()
@@ -164,10 +168,19 @@ def train(cfg: RunConfig, history: list[dict[str, float]] | None = None) -> dict
                     print(_console_line(metrics, cfg.train.steps), flush=True)
             if update is not None:
                 update(metrics)
+            if engine.stop_agreed:  # a signal reached some rank: every rank stops here
+                break
             every = cfg.train.checkpoint_every
             if every and engine.step % every == 0 and not last:
                 _save(engine, cfg)
     _save(engine, cfg)
+    signals.uninstall()
+    if engine.stop_agreed and logging:
+        command = os.environ.get("PARAXIS_COMMAND", "the same command")
+        where = (f"checkpoint {cfg.train.checkpoint_dir}/step-{engine.step:08d} written; "
+                 f"resume with: {command}" if cfg.train.checkpoint_dir else
+                 "no checkpoint written (train.checkpoint_dir is not set)")
+        print(f"stopped by a signal after step {engine.step}: {where}", flush=True)
     _log_pipeline_timeline(engine, cfg, pm, logging)
     if cfg.train.trace_dir:
         engine.tracer.export(Path(cfg.train.trace_dir) / f"rank{grid.rank:05d}.trace.json")

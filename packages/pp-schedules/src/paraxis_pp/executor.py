@@ -27,6 +27,7 @@ from torch import nn
 
 from paraxis.batch import Batch
 from paraxis.grid import AxisGroup
+from paraxis.liveness import guard
 from paraxis.strategy import ApplyContext
 from paraxis_pp.schedules import Action, Schedule
 from paraxis_pp.simulate import Timeline
@@ -104,8 +105,9 @@ class PipelineRunner:
         buf = torch.empty(shape, device=self.device, dtype=dtype)
         op = dist.P2POp(dist.irecv, buf, self._peer(stage), self.group.pg,
                         _tag(kind, mb, src_stage))
-        for work in dist.batch_isend_irecv([op]):
-            work.wait()  # mostly waiting for the other stage's compute: the bubble
+        with guard(self.group, "recv"):  # a dead neighbour is named, not waited for
+            for work in dist.batch_isend_irecv([op]):
+                work.wait()  # mostly waiting for the other stage's compute: the bubble
         return buf
 
     def _hidden_shape(self, mb: Batch) -> tuple[int, int, int]:
@@ -139,8 +141,9 @@ class PipelineRunner:
                     self._weight_grads(key, st.outputs[key], st.grads.pop(key))
                     self._record(a, start)
                     st.inputs.pop(key), st.outputs.pop(key)
-        for work in st.sends:
-            work.wait()
+        with guard(self.group, "send"):
+            for work in st.sends:
+                work.wait()
         return st.total
 
     def _forward_action(self, a: Action, st: _Step) -> None:
