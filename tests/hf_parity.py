@@ -78,6 +78,10 @@ def compare(worlds, family, degrees, *, overrides=None, steps=8, **options):
                                       order)[0]
     ref_history, ref_eval, ref_shards = _REFERENCES[key]
     out = worlds.run(config.world_size, train, family, degrees, overrides, steps, options)
+    print(f"{family} {degrees} {options}: worst relative difference over {steps} steps "
+          + ", ".join(f"{what} {_worst(out, ref_history, i):.1e}" for i, what in
+                      enumerate(("loss", "grad norm", "router loss"))
+                      if ref_history[0][i] is not None))
     for history, eval_loss, _ in out:
         assert_losses_close([h[0] for h in history], [h[0] for h in ref_history])
         assert_losses_close([h[1] for h in history], [h[1] for h in ref_history],
@@ -88,3 +92,8 @@ def compare(worlds, family, degrees, *, overrides=None, steps=8, **options):
         assert_losses_close([eval_loss], [ref_eval], "evaluation loss")
     assert_same_weights([s for _, _, s in out], ref_shards, lr=LR, steps=steps)
     return out
+
+
+def _worst(out, reference, i):
+    return max(abs(h[i] - r[i]) / abs(r[i]) for history, _, _ in out
+               for h, r in zip(history, reference, strict=True))
