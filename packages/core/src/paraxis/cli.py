@@ -32,8 +32,9 @@ def _load_checked(args: argparse.Namespace) -> RunConfig:
                                            "max_position_embeddings": config.train.seq_length})
         model = model if model.hidden_size and model.num_attention_heads else None
     pm = make_plugin_manager()
+    missing = missing_axes(config, pm, has_experts=bool(model and model.num_experts))
     validate(config, world_size=getattr(args, "world_size", None), model=model,
-             plugin_manager=pm, extra=[*config.check_run(), *missing_axes(config, pm)])
+             plugin_manager=pm, extra=[*config.check_run(), *missing])
     return config
 
 

@@ -197,7 +197,7 @@ class Engine:
             loss_sum = self.ctx.forward_backward([batch], self.loss_fn, None, False)
         else:
             loss_sum, _ = self.loss_fn(self._logits(batch), batch.targets)
-        self.ctx.aux_losses.pop()  # evaluation reports the language-model loss only
+        self.ctx.aux_losses.clear()  # evaluation reports the language-model loss only
         return self._reduce_step(loss_sum, 0.0)[0][0] / tokens.clamp(min=1).item()
 
     def probe_loss(self, ids: torch.Tensor) -> float:

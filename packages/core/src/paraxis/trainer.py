@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +78,7 @@ def _fmt(key: str, value: float) -> str:
     return f"{value:.4f}"
 
 
-def _summary_table(summary: dict[str, float]) -> None:
+def _summary_table(summary: dict[str, float], rows: Sequence[tuple[str, str]] = ()) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -86,7 +87,34 @@ def _summary_table(summary: dict[str, float]) -> None:
     table.add_column("value", justify="right")
     for key, value in summary.items():
         table.add_row(key, _fmt(key, value))
+    for key, text in rows:
+        table.add_row(key, text)
     Console().print(table)
+
+
+_ASSIGNED = re.compile(r"^moe/(.+)/assigned/(\d+)$")
+
+
+def _expert_load(history: list[dict[str, float]]) -> tuple[dict[str, float], list[tuple[str, str]]]:
+    """The most and least loaded expert over the run, from the per-layer, per-expert
+    ``moe/<block>/assigned/<expert>`` metrics (paraxis-moe-ep): summary values (load
+    over the mean load) and the table's rows naming them."""
+    totals: dict[tuple[str, int], float] = {}
+    for m in history:
+        for key, value in m.items():
+            if hit := _ASSIGNED.match(key):
+                where = (hit[1], int(hit[2]))
+                totals[where] = totals.get(where, 0.0) + value
+    mean = sum(totals.values()) / len(totals) if totals else 0.0
+    if not mean:
+        return {}, []
+    out, rows = {}, []
+    for label, pick in (("most", max), ("least", min)):
+        (block, expert), n = pick(totals.items(), key=lambda kv: kv[1])
+        out[f"moe/{label}_loaded_vs_mean"] = n / mean
+        rows.append((f"{label} loaded expert",
+                     f"{block} #{expert}: {n:,.0f} routed ({n / mean:.2f}x mean)"))
+    return out, rows
 
 
 def _save(engine: Engine, cfg: RunConfig) -> None:
@@ -158,9 +186,11 @@ def train(cfg: RunConfig, history: list[dict[str, float]] | None = None) -> dict
         engine.tracer.export(Path(cfg.train.trace_dir) / f"rank{grid.rank:05d}.trace.json")
     summary = _summarize(history[done_before:], time.perf_counter() - start,
                          engine.step - first)
+    load, rows = _expert_load(history[done_before:])
+    summary.update(load)
     if logging:
         pm.hook.paraxis_log_end(summary=summary)
-        _summary_table(summary)
+        _summary_table(summary, rows)
     engine.close()
     return summary
 

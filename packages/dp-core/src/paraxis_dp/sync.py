@@ -11,9 +11,13 @@ written against paraxis placements rather than wrapping ``DistributedDataParalle
   all-reduce starts asynchronously, overlapping the rest of backward;
 * buckets start in a fixed order on every rank, so ranks never disagree on which
   collective comes next even if their hooks fire in different orders;
-* each parameter is averaged over the group its placement names (dense parameters over
-  data x expert x context, expert parameters over data x context); one bucket never
-  mixes groups or dtypes.
+* each parameter's gradient is summed over the group its placement names (dense
+  parameters over data x expert x context, expert parameters over data x context) and
+  divided by the number of ranks holding distinct tokens (data x expert x context),
+  because the engine scales each rank's loss by that number: dense gradients become
+  their mean, and an expert's gradient, which already sums every expert rank's tokens
+  through the all-to-all, is not counted ``expert`` times (Megatron-Core scales expert
+  gradients the same way); one bucket never mixes groups or dtypes.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paraxis.collectives import all_reduce_
-from paraxis.grid import AxisGroup, Grid
+from paraxis.grid import DENSE_REPLICA_AXES, AxisGroup, Grid
 from paraxis.placement import placement_of
 from paraxis.strategy import SyncOrder
 
@@ -44,6 +48,7 @@ class _Bucket:
     params: list[nn.Parameter]
     buffer: torch.Tensor
     views: list[torch.Tensor]
+    divisor: int  # ranks holding distinct tokens (the engine's loss scale)
     ready: set[int] = field(default_factory=set)
     work: Any = None
 
@@ -69,6 +74,7 @@ class DataParallel:
         self.module = module
         self.grid = grid
         self.bucket_bytes = int(bucket_mb * MiB)
+        self.divisor = grid.group(DENSE_REPLICA_AXES).size
         self._sync = True
         self._next = 0  # index of the next bucket to launch
         self.buckets = self._build_buckets()
@@ -90,8 +96,8 @@ class DataParallel:
         done: list[tuple[AxisGroup, list[nn.Parameter]]] = []
         for p in reversed(params):
             group = self.grid.group(placement_of(p).grad_sync_axes)
-            if group.size == 1:
-                continue
+            if group.size == 1 and self.divisor == 1:
+                continue  # nothing to reduce and nothing to rescale
             key = (group.axes, p.dtype, p.device)
             open_buckets.setdefault(key, []).append(p)
             sizes[key] = sizes.get(key, 0) + p.numel() * p.element_size()
@@ -100,23 +106,24 @@ class DataParallel:
                 sizes.pop(key)
         for key, ps in open_buckets.items():
             done.append((self.grid.group(key[0]), ps))
-        return [self._make_bucket(g, ps) for g, ps in done]
+        return [self._make_bucket(g, ps, self.divisor) for g, ps in done]
 
     @staticmethod
-    def _make_bucket(group: AxisGroup, params: list[nn.Parameter]) -> _Bucket:
+    def _make_bucket(group: AxisGroup, params: list[nn.Parameter], divisor: int) -> _Bucket:
         total = sum(p.numel() for p in params)
         buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
         views, offset = [], 0
         for p in params:
             views.append(buffer[offset: offset + p.numel()].view_as(p))
             offset += p.numel()
-        return _Bucket(group, params, buffer, views)
+        return _Bucket(group, params, buffer, views, divisor)
 
     @torch.no_grad()
     def _broadcast_from_first_replica(self) -> None:
         by_group: dict[tuple[str, ...], list[torch.Tensor]] = {}
         for b in self.buckets:
-            by_group.setdefault(b.group.axes, []).extend(b.params)
+            if b.group.size > 1:
+                by_group.setdefault(b.group.axes, []).extend(b.params)
         dense = self.grid.group(("data", "expert", "context"))
         if dense.size > 1:
             by_group.setdefault(dense.axes, []).extend(self.module.buffers())
@@ -161,8 +168,9 @@ class DataParallel:
             self._launch(self.buckets[self._next])
 
     def _launch(self, bucket: _Bucket) -> None:
-        # Pre-divide so the sum is the mean, as DDP does; fp32 keeps it exact enough.
-        bucket.buffer.div_(bucket.group.size)
+        # Pre-divide, as DDP does (for dense parameters the sum becomes the mean); fp32
+        # keeps it exact enough. A group of one only rescales (expert=E alone).
+        bucket.buffer.div_(bucket.divisor)
         bucket.work = all_reduce_(bucket.buffer, bucket.group, async_op=True)
         self._next += 1
 
