@@ -87,6 +87,11 @@ def run_workers(world_size: int, opts: LaunchOptions, argv: Sequence[str],
     cpus = os.cpu_count() or 1
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cpus * opts.nnodes // world_size)))
     os.environ["PARAXIS_COMMAND"] = shlex.join(["paraxis", *argv])
+    # torchrun shares its rendezvous store with the workers' process groups across
+    # restarts, so a restarted worker may read a peer's address from the previous
+    # attempt and fail to connect (pytorch/pytorch#135712; seen here on restart after a
+    # killed rank, in about half the runs). A store per attempt avoids it.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     lock = None
     if checkpoint_dir and opts.node_rank == 0:  # one writer: the first node holds it
         lock = DirectoryLock(checkpoint_dir).acquire()
