@@ -2,7 +2,7 @@
 in tensor shards of a padded vocabulary) resumes in plain data parallelism, and back;
 under bf16 autocast every ZeRO stage matches plain data parallelism (parameters and
 shards stay fp32; the per-rank arithmetic is the same, only the fp32 reductions differ,
-so the shared tolerance holds)."""
+so the shared tolerance holds); over expert replicas ZeRO matches expert parallelism."""
 
 from __future__ import annotations
 
@@ -85,3 +85,24 @@ def test_zero_under_bf16_matches_data_parallel(worlds, dp_bf16, zero):
     for name, w in want.items():
         assert got[name].dtype == torch.float32
         assert_weights_close(got[name], w, lr=3e-3, steps=20, what=name)
+
+
+def moe_run(options):
+    from test_zero_hf import train
+
+    history, eval_loss, shards = train("mixtral", options, {})
+    return [h[0] for h in history], eval_loss, shards
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_zero_over_expert_replicas_matches_plain_expert_parallel(worlds, zero):
+    """data=1: dense parameters are sharded over the expert ranks (their replicas),
+    expert parameters (no replica) stay whole. Compared with expert parallelism without
+    ZeRO, the axis this composes with."""
+    plain = worlds.run(2, moe_run, {"expert": 2})
+    out = worlds.run(2, moe_run, {"expert": 2, "zero": zero})
+    assert_losses_close(out[0][0], plain[0][0])
+    assert_losses_close([out[0][1]], [plain[0][1]], "evaluation loss")
+    want, got = assemble([s for *_, s in plain]), assemble([s for *_, s in out])
+    for name, w in want.items():
+        assert_weights_close(got[name], w, lr=1e-3, steps=20, what=name)

@@ -3,8 +3,9 @@ mistral), against one process: data=2 and data=4, accumulation over 2 and 4
 microbatches, 20 steps with clipping and uneven -100 labels; per-step losses and
 gradient norms, an evaluation loss and the gathered final weights at the shared
 tolerance (paraxis.testing.tolerance). Then the compositions: ZeRO-3 x tensor 2 (with
-and without sequence parallelism: the partial norms stay whole), ZeRO-1 x pipeline 2 x
-data 2 (a tied embedding stays whole for the pipeline's tied sum)."""
+and without sequence parallelism: the partial norms stay whole), ZeRO-3 over context
+replicas, ZeRO-1 x pipeline 2 x data 2 (a tied embedding stays whole for the
+pipeline's tied sum)."""
 
 from __future__ import annotations
 
@@ -73,6 +74,11 @@ def test_zero_on_hf_families_matches_one_process(worlds, family, zero, data, mic
 ])
 def test_zero3_with_tensor_parallel(worlds, family, options, overrides):
     compare(worlds, family, options, overrides)
+
+
+def test_zero3_over_context_replicas(worlds):
+    """data=1: the context ranks are the replicas ZeRO shards over."""
+    compare(worlds, "llama", {"context": 2, "zero": 3})
 
 
 def test_zero1_with_pipeline_and_a_tied_embedding(worlds):
