@@ -73,21 +73,24 @@ def main() -> None:
     def paraxis_step() -> None:
         engine.train_step(batch())
 
-    def deepspeed_step() -> None:
-        ids = batch()
-        logits = ds(ids, use_cache=False).logits
-        ds.backward(F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()))
-        ds.step()
-
-    times, _ = alternate({"paraxis": paraxis_step, "deepspeed": deepspeed_step},
-                         steps=args.steps, warmup=args.warmup)
+    variants = {"paraxis": paraxis_step, "deepspeed": deepspeed_stepper(ds, batch)}
+    times, _ = alternate(variants, steps=args.steps, warmup=args.warmup)
     med = {k: median(v) for k, v in times.items()}
     ratio = med["paraxis"] / med["deepspeed"]
     if rank == 0:
         write_result(args, world, psi, med, ratio)
     engine.close()
-    del ds
+    del ds, variants
     shutdown()
+
+
+def deepspeed_stepper(ds, batch):
+    def step() -> None:
+        ids = batch()
+        logits = ds(ids, use_cache=False).logits
+        ds.backward(F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()))
+        ds.step()
+    return step
 
 
 def write_result(args, world, psi, med, ratio) -> None:

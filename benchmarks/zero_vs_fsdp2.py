@@ -67,24 +67,27 @@ def main() -> None:
         bytes_per_step.append(sum(v for k, v in metrics.items()
                                   if k.startswith("comm/data")))
 
-    def fsdp2_step() -> None:
-        ids = batch()
-        opt.zero_grad(set_to_none=True)
-        logits = fsdp(ids, use_cache=False).logits
-        F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
-        torch.nn.utils.clip_grad_norm_(fsdp.parameters(), 1.0)
-        opt.step()
-
-    times, _ = alternate({"paraxis": paraxis_step, "fsdp2": fsdp2_step},
-                         steps=args.steps, warmup=args.warmup)
+    variants = {"paraxis": paraxis_step, "fsdp2": fsdp2_stepper(fsdp, opt, batch)}
+    times, _ = alternate(variants, steps=args.steps, warmup=args.warmup)
     med = {k: median(v) for k, v in times.items()}
     ratio = med["paraxis"] / med["fsdp2"]
     theory = 3 * psi * (world - 1) / world * 4
     if rank == 0:
         write_result(args, world, psi, med, ratio, median(bytes_per_step), theory)
     engine.close()
-    del fsdp, opt
+    del fsdp, opt, variants
     shutdown()
+
+
+def fsdp2_stepper(model, opt, batch):
+    def step() -> None:
+        ids = batch()
+        opt.zero_grad(set_to_none=True)
+        logits = model(ids, use_cache=False).logits
+        F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    return step
 
 
 def write_result(args, world, psi, med, ratio, measured, theory) -> None:
