@@ -50,6 +50,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2, help="per-rank batch")
     p.add_argument("--no-write", action="store_true", help="do not update RESULTS.md")
     args = p.parse_args()
+    torch.set_num_threads(1)  # as each rank runs (the harness sets it)
     stages = [0, 1, 2, 3] if importlib.util.find_spec("paraxis_dp") else [1, 2, 3]
     rows = []
     for n in (2, 4):

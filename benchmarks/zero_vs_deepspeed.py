@@ -5,7 +5,8 @@
 
 The same Hugging Face Llama (built from config) is sharded twice over data=2: paraxis
 ``zero=3`` through ``paraxis.parallelize``, and ``deepspeed.initialize`` with ZeRO stage
-3 on its CPU accelerator (gloo), given a torch AdamW so that nothing is compiled.
+3 on its CPU accelerator (gloo), given a torch AdamW so that nothing is compiled (nor
+the shared-memory kernel its CPU backend builds for inference's all-reduce).
 DeepSpeed's settings are matched to paraxis's where it has one: vectors stay whole
 (``stage3_param_persistence_threshold`` 1024 elements keeps the norms and nothing else
 whole), about one layer prefetched (``stage3_prefetch_bucket_size``), overlapped
@@ -28,8 +29,13 @@ from paraxis import shutdown
 
 
 def deepspeed_engine(args, layer_params: int):
+    import importlib
+
     import deepspeed
 
+    # Its CPU backend JIT-builds a shared-memory kernel used only by inference's
+    # all-reduce; training goes through gloo either way, and nothing is compiled.
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     model = build_llama(args)
     config = {
         "train_micro_batch_size_per_gpu": args.batch,
