@@ -100,7 +100,6 @@ class ShardedOptimizerSync:
             if self.stage == 1:  # the whole gradient, padded so the shard's is a view
                 grads.append(torch.zeros_like(padded))
                 p.grad = grads[-1][:p.numel()].view_as(p)
-                shard.grad = None
         recv = torch.zeros(layout.per_rank, dtype=layout.params[0].dtype,
                            device=layout.params[0].device)
         return _Bucket(layout, storage, shards, grads if self.stage == 1 else None, recv)

@@ -68,9 +68,10 @@ class ShardedParameters:
         self.units: list[ShardedUnit] = []  # forward order; the roots first
         self.roots: dict[int, ShardedUnit | None] = {}
         self._handles: list[Any] = []
-        for chunk in chunks_of(model):
-            mine = [p for p in chunk.parameters() if any(p is q for q in sharded)]
-            sharded = [p for p in sharded if not any(p is q for q in mine)]
+        left = {id(p) for p in sharded}
+        for chunk in chunks_of(model):  # chunks share no parameter but a tied one
+            mine = [p for p in chunk.parameters() if id(p) in left]
+            left -= {id(p) for p in mine}
             specs, rest = find_units(chunk, plan, mine)
             root = ShardedUnit("root", chunk, _layouts(rest, grid),
                                reshard_after_forward=False) if rest else None
