@@ -52,22 +52,12 @@ __all__ = ["FORMAT_VERSION", "CheckpointError", "load_checkpoint", "resolve",
 def _pieces(t: torch.Tensor, p: Placement) -> list[tuple[str, torch.Tensor, list[int],
                                                            list[list[int]]]]:
     """(key suffix, local view, global shape, [offset, length] per dim) of each logical
-    tensor that ``t`` (laid out as ``p``) holds: one, or one per block of a packed dim.
-    Padding rows are cut off, so they are neither saved nor loaded."""
-    shape = list(p.global_shape)
-    region = [[0, n] for n in shape]
-    packed = None
-    for s in p.shards:
-        if s.padding:
-            t = t.narrow(s.dim, 0, s.length * s.parts)
-        region[s.dim] = [s.offset, s.length]
-        if s.parts > 1:
-            packed = s
-            shape[s.dim] //= s.parts
-    if packed is None:
-        return [("", t, shape, region)]
-    return [(f"#part{k}", view, shape, region)
-            for k, view in enumerate(t.chunk(packed.parts, dim=packed.dim))]
+    tensor block that ``t`` (laid out as ``p``) holds: one, one per block of a packed
+    dim, or none for a shard of padding only. Nested shards (a data shard of a tensor
+    shard, :class:`paraxis.placement.Shard`) map to their global rows; padding rows are
+    cut off, so they are neither saved nor loaded."""
+    return [(piece.suffix, t[piece.local], list(piece.shape), [list(r) for r in piece.region])
+            for piece in p.pieces()]
 
 
 def _owner(p: Placement, coords: dict[str, int]) -> bool:
@@ -88,10 +78,15 @@ def _local_entries(engine: Engine) -> tuple[dict[str, torch.Tensor], dict[str, A
     coords = engine.grid.coords
     for param in engine.model.parameters():
         rec = placement_of(param)
+        if _owner(rec, coords):
+            for suffix, view, shape, region in _pieces(param, rec):
+                put(f"model/{rec.name}{suffix}", view, shape, region)
+    # State follows the optimizer's own parameters: the model's, or the shards a ZeRO
+    # optimizer steps, each with its placement.
+    for param in _optimizer_params(engine.optimizer):
+        rec = placement_of(param)
         if not _owner(rec, coords):
             continue
-        for suffix, view, shape, region in _pieces(param, rec):
-            put(f"model/{rec.name}{suffix}", view, shape, region)
         for k, v in engine.optimizer.state.get(param, {}).items():
             if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(param.shape):
                 for suffix, view, shape, region in _pieces(v, rec):
@@ -104,6 +99,14 @@ def _local_entries(engine: Engine) -> tuple[dict[str, torch.Tensor], dict[str, A
     for name, state in _rng_states(engine).items():
         put(f"rng/rank{rank}/{name}", state, [-1], [])
     return tensors, entries
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    seen: dict[int, torch.Tensor] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            seen.setdefault(id(p), p)
+    return list(seen.values())
 
 
 def _rng_states(engine: Engine) -> dict[str, torch.Tensor]:
@@ -317,6 +320,8 @@ def load_checkpoint(engine: Engine, directory: str | os.PathLike[str], *,
         rec = placement_of(param)
         for suffix, view, _, region in _pieces(param, rec):
             view.copy_(reader.read(f"model/{rec.name}{suffix}", region))
+    for param in _optimizer_params(engine.optimizer):
+        rec = placement_of(param)
         state = _load_optimizer_state(reader, optimizer_keys.get(rec.name, {}), param, rec)
         if state:
             engine.optimizer.state[param] = state

@@ -129,6 +129,8 @@ class Engine:
                     clip_grad_norm(self.params, self.train_cfg.grad_clip, self.grid))
         with self.tracer.span("optimizer"):
             self.optimizer.step()
+            # Measured before zero_grad: gradient buffers are model state too.
+            memory = memory_stats(self.model, self.optimizer, self.device)
             self.optimizer.zero_grad(set_to_none=True)
             lr = self.optimizer.param_groups[0]["lr"]
             if self.scheduler is not None:
@@ -141,6 +143,7 @@ class Engine:
         sums, fastest, slowest = self._reduce_step(total, step_time)
         out = self._metrics(sums[0] / tokens.clamp(min=1).item(), norm, lr, (fastest, slowest),
                             batch.input_ids.numel() * self.replicas.size, mark, comm_mark)
+        out.update(memory)
         out.update(zip(self.ctx.aux_losses.names, sums[1:], strict=True))
         out.update(extra)
         return out
@@ -245,7 +248,6 @@ class Engine:
         if peak and self._flops_per_token:
             out["mfu"] = mfu(out["tokens_per_s"], self._flops_per_token, peak,
                              self.grid.world_size)
-        out.update(memory_stats(self.model, self.optimizer, self.device))
         return out
 
     # ---- state -----------------------------------------------------------------------
