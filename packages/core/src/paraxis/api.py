@@ -10,6 +10,7 @@ from torch import nn
 
 from paraxis.config import ParallelConfig
 from paraxis.engine import Engine
+from paraxis.errors import Problem
 from paraxis.grid import Grid
 from paraxis.launch import device_for_rank, init_distributed, launched_world_size
 from paraxis.optim import WarmupCosine, build_adamw
@@ -75,7 +76,10 @@ def parallelize(
         model_shape = ModelShape.from_hf_config(model.config)
     if model_shape is not None:  # what is split and counted is the trained length
         model_shape = dataclasses.replace(model_shape, seq_length=train_cfg.seq_length)
-    validate(config, world_size=launched_world_size(), model=model_shape, plugin_manager=pm)
+    module_problems: list[Problem] = []  # what only the module itself shows
+    pm.hook.paraxis_check_model(config=config, model=model, problems=module_problems)
+    validate(config, world_size=launched_world_size(), model=model_shape, plugin_manager=pm,
+             extra=module_problems)
     resolve_strategies(config, pm)  # a missing axis package fails here, before any group
     model_plan = find_plan(model, pm, plan)
     for axis in PLANNED_AXES:

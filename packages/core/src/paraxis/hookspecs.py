@@ -47,6 +47,18 @@ def paraxis_validate_config(
     """
 
 
+@hookspec
+def paraxis_check_model(config: ParallelConfig, model: Any, problems: list[Problem]) -> None:
+    """Append a :class:`paraxis.errors.Problem` for each reason this plugin's axis cannot
+    lay out ``model`` (the user's module itself, not its shape) under ``config``.
+
+    Called by :func:`paraxis.parallelize` before any process group exists, its problems
+    reported with :func:`paraxis.validation.validate`'s. For what only the module shows:
+    context parallelism refuses a family whose attention bypasses transformers'
+    attention interface, naming it. Append, do not raise. Not firstresult.
+    """
+
+
 @hookspec(firstresult=True)
 def paraxis_model_plan(model: Any) -> Any:
     """Return the parallel plan for ``model``, or None if this plugin does not know it.
