@@ -85,8 +85,9 @@ def test_strategy_selects_attention_and_appends_the_split(mode):
     assert ContextParallelStrategy().apply(model, ctx) is model
     assert model.config._attn_implementation == f"paraxis_{mode}"
     assert model.config.use_cache is False
-    assert ctx.batch_transforms == [SequenceSplit(1, 0, "zigzag")]
-    assert ctx.extras["context"].mode == mode
+    layout = {"ring": "zigzag", "ulysses": "contiguous"}[mode]  # Ulysses: no permutation
+    assert ctx.batch_transforms == [SequenceSplit(1, 0, layout)]
+    assert ctx.extras["context"].mode == mode and ctx.extras["context"].layout == layout
 
 
 def test_strategy_reaches_every_pipeline_chunk():
@@ -124,6 +125,10 @@ def test_rules_on_the_shape():
     short = ModelShape(**{**vars(SHAPE), "seq_length": 260})
     assert _fields(check(short, context=4)) == [("model.seq_length", 260)]
     assert check(short, context=2) == []  # 260 = 4 chunks of 65
+    assert check(short, context=4, context_mode="ulysses") == []  # contiguous: 4 of 65
+    got = check(ModelShape(**{**vars(SHAPE), "seq_length": 258}), context=4,
+                context_mode="ulysses")
+    assert _fields(got) == [("model.seq_length", 258)] and "contiguous" in got[0].rule
     got = check(context=8, context_mode="ulysses")
     assert _fields(got) == [("model.num_attention_heads", 4)]
     assert "tensor x context = 8" in got[0].rule and "context_mode: ring" in got[0].fix
@@ -157,9 +162,9 @@ def test_parallelize_refuses_before_any_process_group():
             "bloom", hidden_size=16, n_head=2, n_layer=1, vocab_size=32))
     with pytest.raises(ConfigError) as err:
         paraxis.parallelize(bloom, context=4, context_mode="ulysses",
-                            train={"seq_length": 20})
+                            train={"seq_length": 18})
     text = str(err.value)
-    for part in ("world_size", "computes attention inline", "model.seq_length = 20",
+    for part in ("world_size", "computes attention inline", "model.seq_length = 18",
                  "model.num_attention_heads = 2"):
         assert part in text, text
     assert not dist.is_initialized()

@@ -4,8 +4,11 @@
 :func:`check_module` through ``paraxis_check_model`` (the module itself: what only the
 module shows, such as attention that bypasses transformers' interface).
 
-* **Sequence.** Causal runs shard zigzag: the sequence is cut into ``2C`` chunks
-  (contiguous shards need ``C``). Under sequence parallelism each rank's shard is cut
+* **Sequence.** Ring attention shards zigzag: the sequence is cut into ``2C`` chunks
+  so that causal work is balanced (:mod:`paraxis_seq.zigzag`). Ulysses shards
+  contiguously (``C`` chunks): every rank attends over the whole gathered sequence for
+  its heads, so its work is balanced in any layout, and contiguous shards need no
+  permutation around the kernel. Under sequence parallelism each rank's shard is cut
   again over ``tensor`` (the tensor axis checks ``tensor x context``).
 * **Ulysses heads.** Heads are split by tensor first, then by Ulysses' all-to-all, so
   query heads must divide by ``tensor x context``. KV heads need not: kv heads that do
@@ -23,10 +26,11 @@ from paraxis.config import ParallelConfig
 from paraxis.errors import Problem
 from paraxis.validation import ModelShape, divisors
 
-__all__ = ["EQUIVALENT_IMPLEMENTATIONS", "LAYOUT", "check_context", "check_module"]
+__all__ = ["EQUIVALENT_IMPLEMENTATIONS", "LAYOUT_OF_MODE", "check_context", "check_module"]
 
-# Causal language models shard zigzag (paraxis_seq.zigzag): balanced causal work.
-LAYOUT = "zigzag"
+# How each mode shards the sequence (see above): the ring needs zigzag for balanced
+# causal work; Ulysses is balanced anyway and saves the zigzag permutation.
+LAYOUT_OF_MODE = {"ring": "zigzag", "ulysses": "contiguous"}
 
 # transformers attention implementations whose arithmetic the context kernels reproduce
 # (softmax attention, causal and sliding window from the module and its call); any
@@ -38,19 +42,22 @@ EQUIVALENT_IMPLEMENTATIONS = frozenset({
 
 
 def check_context(config: ParallelConfig, model: ModelShape | None,
-                  layout: str = LAYOUT) -> list[Problem]:
-    """Problems of ``config``'s context axis with a model of shape ``model``."""
+                  layout: str | None = None) -> list[Problem]:
+    """Problems of ``config``'s context axis with a model of shape ``model``
+    (``layout``: the one the mode shards with, unless given)."""
     par = config.parallelism
     c, t = par.context, par.tensor
     if c == 1 or model is None:
         return []
+    layout = layout or LAYOUT_OF_MODE[par.context_mode]
     problems: list[Problem] = []
     parts = 2 * c if layout == "zigzag" else c
     seq = model.seq_length
     if seq is not None and seq % parts:
         rule = (f"must divide into 2 x context = {parts} equal chunks (zigzag sharding: "
                 "rank r holds chunks r and 2C-1-r, which balances causal attention)"
-                if layout == "zigzag" else f"must divide over context = {c} ranks")
+                if layout == "zigzag" else f"must divide over context = {c} ranks "
+                f"({layout} shards, {par.context_mode} mode)")
         problems.append(Problem("model.seq_length", seq, rule,
                                 f"use a multiple of {parts} (e.g. {seq + parts - seq % parts})"))
     heads = model.num_attention_heads

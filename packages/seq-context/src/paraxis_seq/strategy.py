@@ -12,7 +12,8 @@ stage). Applying the strategy:
    a model it cannot intercept was refused before any process group, see
    :mod:`paraxis_seq.rules`), and turns the KV cache off;
 2. appends :class:`SequenceSplit`, which cuts ids, targets and position ids into this
-   rank's zigzag shard, so the model sees true positions (rotary) and the loss each rank
+   rank's shard (zigzag for ring attention, contiguous for Ulysses; see
+   :mod:`paraxis_seq.rules`), so the model sees true positions (rotary) and the loss each rank
    sums is its part of the global one. Targets were shifted before the cut, so no label
    is lost where the cut falls.
 
@@ -41,7 +42,7 @@ from paraxis.batch import Batch
 from paraxis.stages import chunks_of
 from paraxis.strategy import ApplyContext, Phase, Strategy
 from paraxis_seq.hf_attention import use_context_attention
-from paraxis_seq.rules import LAYOUT
+from paraxis_seq.rules import LAYOUT_OF_MODE
 from paraxis_seq.zigzag import check_layout, shard
 
 __all__ = ["PADDING_REFUSED", "ContextParallelStrategy", "SequenceSplit"]
@@ -61,7 +62,7 @@ class SequenceSplit:
 
     size: int
     rank: int
-    layout: str = LAYOUT
+    layout: str = "zigzag"
 
     def __call__(self, batch: Batch) -> Batch:
         if batch.padding_mask is not None:
@@ -85,8 +86,8 @@ class SequenceSplit:
 
 
 class ContextParallelStrategy(Strategy):
-    """Ring attention (``parallelism.context_mode: ring``, the default) or Ulysses
-    (``ulysses``) over the grid's ``context`` group, zigzag sharding."""
+    """Ring attention (``parallelism.context_mode: ring``, the default; zigzag shards)
+    or Ulysses (``ulysses``; contiguous shards) over the grid's ``context`` group."""
 
     axis = "context"
     phase = Phase.PARTITION
@@ -94,12 +95,13 @@ class ContextParallelStrategy(Strategy):
     def apply(self, model: nn.Module, ctx: ApplyContext) -> nn.Module:
         group = ctx.grid.group("context")
         mode = ctx.config.parallelism.context_mode
+        layout = LAYOUT_OF_MODE[mode]
         names: list[str] = []
         for chunk in chunks_of(model):  # each pipeline chunk is a model of its own
-            names.append(use_context_attention(chunk, group, mode=mode, layout=LAYOUT))
+            names.append(use_context_attention(chunk, group, mode=mode, layout=layout))
             chunk.config.use_cache = False  # a cache would hold one shard's keys
-        ctx.batch_transforms.append(SequenceSplit(group.size, group.rank, LAYOUT))
-        ctx.extras["context"] = _Applied(mode, LAYOUT, names[0], group)
+        ctx.batch_transforms.append(SequenceSplit(group.size, group.rank, layout))
+        ctx.extras["context"] = _Applied(mode, layout, names[0], group)
         return model
 
 
