@@ -21,6 +21,7 @@ median step-time ratio paraxis Ulysses / DeepSpeed (target <= 1.0).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
@@ -87,22 +88,28 @@ def deepspeed_attention(group_pg, local=sdpa_bshd):
     return lambda q, k, v: layer(q, k, v, 0)  # batch_dim_idx 0: (b, s, h, d)
 
 
-def try_torch_context_parallel(args: argparse.Namespace) -> str | None:
+def try_torch_context_parallel(args: argparse.Namespace) -> dict[str, str | None]:
     """One forward/backward of torch's experimental context_parallel on this machine's
-    device; None if it ran, else the error it raised (the same on every rank)."""
+    device, with SDPA's default backend and with its math backend: per backend None if
+    it ran, else the first line of the error it raised (the same on every rank)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    q, k, v = (torch.randn(args.batch, args.heads, 64 * dist.get_world_size(), args.head_dim)
-               for _ in range(3))
-    try:
-        with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
-            leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-            F.scaled_dot_product_attention(*leaves, is_causal=True).sum().backward()
-    except Exception as exc:  # the reason is the result
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
-    return None
+    outcome: dict[str, str | None] = {}
+    for name, backends in (("default", None), ("math", [SDPBackend.MATH])):
+        q, k, v = (torch.randn(args.batch, args.heads, 64 * dist.get_world_size(),
+                               args.head_dim) for _ in range(3))
+        try:
+            kernel = sdpa_kernel(backends) if backends else contextlib.nullcontext()
+            with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]), kernel:
+                leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+                F.scaled_dot_product_attention(*leaves, is_causal=True).sum().backward()
+            outcome[name] = None
+        except Exception as exc:  # the reason is the result
+            outcome[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    return outcome
 
 
 def main() -> None:
@@ -155,7 +162,7 @@ def _paired(walls: dict[str, list[float]]) -> float:
 
 
 def report(args: argparse.Namespace, size: int, runs: tuple[dict, dict], ratio: float,
-           sent: dict[str, float], torch_cp: str | None) -> None:
+           sent: dict[str, float], torch_cp: dict[str, str | None]) -> None:
     walls, exchange = runs
     med = {name: median(times) for name, times in walls.items()}
     ex = {name: median(times) for name, times in exchange.items()}
@@ -166,8 +173,10 @@ def report(args: argparse.Namespace, size: int, runs: tuple[dict, dict], ratio: 
     ulysses = 2 * (size - 1) / size * b * s // size * d * (2 * h + 2 * hk) * 4
     kv_local = 2 * b * s // size * hk * d * 4
     ring = 3 * (size - 1) * kv_local  # forward K/V, backward K/V + dK/dV
-    cp_line = ("ran" if torch_cp is None else
-               f"**does not run here** (CPU, gloo): `{torch_cp}`")
+    ran = [name for name, err in torch_cp.items() if err is None]
+    cp_line = (f"ran ({', '.join(ran)} SDPA backend)" if ran else
+               "**does not run here** (CPU, gloo): with SDPA's default backend `"
+               f"{torch_cp['default']}`; with its math backend `{torch_cp['math']}`")
     a2a, p2p = sent.get("all_to_all", 0) / 2**20, sent.get("p2p", 0) / 2**20
     rows = "\n".join(f"| {name} | {t * 1e3:.0f} |" for name, t in med.items())
     table = f"""## Context parallel: paraxis vs DeepSpeed-Ulysses and torch context_parallel
@@ -185,10 +194,10 @@ Bytes sent per rank per step (paraxis, measured): all-to-all {a2a:.2f} MiB (anal
 (analytic 3·(C-1)·K/V shard = {ring / 2**20:.2f} MiB). DeepSpeed moves the same
 all-to-all volume as paraxis Ulysses.
 
-torch `context_parallel` (experimental, ring over DTensor): {cp_line}. On CPU SDPA
-dispatches to `_scaled_dot_product_flash_attention_for_cpu`, for which context_parallel
-registers no ring (its ring covers the CUDA flash, efficient and cuDNN kernels), and the
-math backend fails on DTensor/Tensor mixing; so paraxis ring has no peer on this machine.
+torch `context_parallel` (experimental, ring over DTensor): {cp_line}. Its ring
+covers the CUDA flash, efficient and cuDNN SDPA kernels; on CPU SDPA runs
+`_scaled_dot_product_flash_attention_for_cpu`, which it does not cover, so paraxis ring
+(whose blocks run that same CPU kernel) has no peer on this machine.
 
 Median of the per-round ratios (each round runs both back to back): {_paired(walls):.3f}.
 The machine is shared (load average {os.getloadavg()[0]:.1f} at the end): single steps
@@ -208,7 +217,7 @@ ratio {ex_ratio:.3f} (per-round {_paired(exchange):.3f}).
     for name, t in med.items():
         print(f"{name}: {t * 1e3:.1f} ms (steps: "
               f"{', '.join(f'{w * 1e3:.0f}' for w in walls[name])})")
-    print(f"torch context_parallel: {'ran' if torch_cp is None else torch_cp}")
+    print(f"torch context_parallel: {torch_cp}")
     print(f"exchange only: paraxis {ex['paraxis Ulysses'] * 1e3:.1f} ms, DeepSpeed "
           f"{ex['DeepSpeed DistributedAttention'] * 1e3:.1f} ms, ratio {ex_ratio:.3f}")
     print(f"median of per-round ratios paraxis Ulysses / DeepSpeed: {_paired(walls):.3f}")
