@@ -129,9 +129,10 @@ def _probs(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | 
     return torch.exp(scores - finite.unsqueeze(-1)), lse
 
 
-def _fused(q: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> bool:
-    """Whether PyTorch's fused CPU flash kernel computes this block."""
-    return (q.device.type == "cpu" and (mask is None or causal)
+def _fused(q: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> bool:
+    """Whether PyTorch's fused CPU flash kernel computes this block (it needs one head
+    size for q, k and v: MLA's smaller value heads take the manual kernel)."""
+    return (q.device.type == "cpu" and (mask is None or causal) and q.shape[-1] == v.shape[-1]
             and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"))
 
 
@@ -148,7 +149,7 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
     ``k`` and ``v`` may have fewer heads than ``q`` (GQA); they are repeated here."""
     groups = q.shape[2] // k.shape[2]
     kr, vr = _repeat_kv(k, groups), _repeat_kv(v, groups)
-    if _fused(q, mask, causal):
+    if _fused(q, v, mask, causal):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             *_heads_first(q, kr, vr), 0.0, mask is not None, scale=scale)
         return out.transpose(1, 2), lse
@@ -169,7 +170,7 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     fused CPU kernel does the same (it forms delta from ``out`` itself)."""
     groups = q.shape[2] // k.shape[2]
     kr, vr = _repeat_kv(k, groups), _repeat_kv(v, groups)
-    if out is not None and _fused(q, mask, causal):
+    if out is not None and _fused(q, v, mask, causal):
         dq, dk, dv = (g.transpose(1, 2) for g in
                       torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                           *_heads_first(dout, q, kr, vr, out), lse.contiguous(), 0.0,
