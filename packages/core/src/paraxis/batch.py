@@ -3,9 +3,13 @@
 :class:`Batch` holds input ids, *targets* (the label of the next position, shifted
 once, here, so that an axis may later cut the sequence without losing the label that
 crosses the cut) and optional ``position_ids`` (an axis that cuts the sequence passes
-each rank's true positions). A strategy's batch transform (``ApplyContext.batch_transforms``)
-takes and returns a Batch; the engine counts tokens after the transforms, so an axis
-that splits the sequence never multiplies the global token count.
+each rank's true positions). A strategy's batch transform
+(``ApplyContext.batch_transforms``) takes and returns a Batch; the engine counts tokens
+after the transforms, so an axis that splits the sequence never multiplies the global
+token count. A user's ``attention_mask`` is kept only when it masks something
+(``padding_mask``); the engine does not pass it to the model (rows are packed; right
+padding with ``-100`` labels is exact under a causal mask without it), and an axis that
+cannot honour one (context parallelism) refuses it rather than ignore it.
 
 :class:`AuxLosses` carries losses other than next-token cross-entropy (a router's
 load-balancing loss, its z-loss) from modules to the engine.
@@ -34,11 +38,14 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class Batch:
     """Token ids ``(b, s)``, their targets ``(b, s)`` and, when an axis moved them,
-    position ids ``(b, s)`` (None: ``0..s-1`` as the model assumes)."""
+    position ids ``(b, s)`` (None: ``0..s-1`` as the model assumes). ``padding_mask``
+    is the user's ``attention_mask`` when it has a zero (None otherwise); it is not
+    passed to the model."""
 
     input_ids: torch.Tensor
     targets: torch.Tensor
     position_ids: torch.Tensor | None = None
+    padding_mask: torch.Tensor | None = None
 
     @classmethod
     def from_user(cls, batch: Any) -> Batch:
@@ -46,12 +53,15 @@ class Batch:
         ignored; labels equal the ids when absent), as transformers' ``labels=``."""
         if isinstance(batch, Batch):
             return batch
+        mask = None
         if isinstance(batch, Mapping):
             ids = batch["input_ids"]
             labels = batch.get("labels", ids)
+            mask = batch.get("attention_mask")
+            mask = None if mask is None or bool(mask.bool().all()) else mask
         else:
             ids = labels = batch
-        return cls(ids, shift_labels(labels))
+        return cls(ids, shift_labels(labels), padding_mask=mask)
 
     @property
     def batch_size(self) -> int:
@@ -65,22 +75,25 @@ class Batch:
         if self.batch_size % n:
             raise ValueError(f"local batch of {self.batch_size} does not split into {n} "
                              "microbatches (schedule.microbatches)")
-        pos: list[torch.Tensor | None]
-        if self.position_ids is None or self.position_ids.shape[0] == 1:
-            pos = [self.position_ids] * n  # shared by every sample
-        else:
-            pos = list(self.position_ids.chunk(n))
-        return [Batch(i, t, p) for i, t, p in zip(self.input_ids.chunk(n),
-                                                  self.targets.chunk(n), pos, strict=True)]
+        pos = _rows(self.position_ids, n)
+        masks = _rows(self.padding_mask, n)
+        return [Batch(i, t, p, m) for i, t, p, m in zip(
+            self.input_ids.chunk(n), self.targets.chunk(n), pos, masks, strict=True)]
 
     def to(self, device: torch.device) -> Batch:
         pos = None if self.position_ids is None else self.position_ids.to(device)
+        mask = None if self.padding_mask is None else self.padding_mask.to(device)
         return replace(self, input_ids=self.input_ids.to(device),
-                       targets=self.targets.to(device), position_ids=pos)
+                       targets=self.targets.to(device), position_ids=pos, padding_mask=mask)
 
     def model_kwargs(self) -> dict[str, torch.Tensor]:
         """Keyword arguments besides the ids that the model's forward takes."""
         return {} if self.position_ids is None else {"position_ids": self.position_ids}
+
+
+def _rows(t: torch.Tensor | None, n: int) -> list[torch.Tensor | None]:
+    # A tensor with one row (or None) is shared by every sample of every microbatch.
+    return [t] * n if t is None or t.shape[0] == 1 else list(t.chunk(n))
 
 
 @dataclass
