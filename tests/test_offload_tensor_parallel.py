@@ -1,8 +1,8 @@
 """The DeepSpeed bridge composes with paraxis tensor parallelism and sequence
 parallelism: tensor=2 x data=2, ZeRO-2 with the optimizer on the CPU, against paraxis's
-own run of the same layout without offload (data parallel until paraxis-zero-shard
-lands), on the same model and batches; without sequence parallelism also against the
-one-process run.
+own run of the same layout without offload (plain data parallel: ZeRO-2 changes where
+state lives, not the arithmetic), on the same model and batches; without sequence
+parallelism also against the one-process run.
 
 Sequence parallelism is compared with paraxis's own tensor x sequence parallel run and
 not with one process: on this tiny model that run itself reports gradient norms about

@@ -5,9 +5,8 @@ optimizer and parameters on the CPU) through ``parallelize`` on data=2 with 2
 microbatches, uneven ``-100`` labels, active clipping and the warmup-cosine schedule.
 The reference is paraxis's own run of the same model on the same batches.
 
-REFERENCE: until paraxis-zero-shard lands, paraxis's one-process run (the arithmetic
-every ZeRO stage must reproduce). When it lands the issue's target is its run of the
-same stage; the switch is the one line in ``reference_layout``.
+REFERENCE: paraxis-zero-shard's run of the same ZeRO stage on the same grid (the issue's
+target); that run is itself held to one process by packages/zero-shard's tests.
 
 Tolerance: the shared one (paraxis.testing.tolerance), CPU Adam included. DeepSpeed's
 CPU Adam is a vectorized C++ AdamW (its own order of operations, fused multiply-adds)
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import paraxis
+from paraxis.testing.parity import assemble, local_shards
 from paraxis.testing.tolerance import assert_losses_close, assert_weights_close
 from paraxis.tiny import TinyConfig, TinyTransformer
 
@@ -40,7 +40,7 @@ OFFLOADS = {
 
 def reference_layout(stage):
     """The run an offload run of ZeRO ``stage`` must match (see the module docstring)."""
-    return {}  # TODO(zero-shard): return {"data": 2, "zero": stage, "microbatches": 2}
+    return {"data": 2, "zero": stage, "microbatches": 2}
 
 
 def batches():
@@ -64,9 +64,13 @@ def run_engine(layout):
     part = slice(index * per, (index + 1) * per)
     metrics = [engine.train_step({"input_ids": ids[s, part], "labels": labels[s, part]})
                for s in range(STEPS)]
-    weights = full_weights(engine.model, engine.optimizer)
+    if layout.get("offload"):
+        weights = full_weights(engine.model, engine.optimizer)
+        weights = weights if rank == 0 else None
+    else:  # paraxis's ZeRO: this rank's shards, assembled by the caller
+        weights = local_shards(engine.model)
     engine.close()
-    return metrics, weights if rank == 0 else None
+    return metrics, weights
 
 
 def world_of(layout):
@@ -80,7 +84,8 @@ def references(worlds):
         layout = reference_layout(offload["zero"])
         key = tuple(sorted(layout.items()))
         if key not in out:
-            out[key] = worlds.run(world_of(layout), run_engine, layout)[0]
+            ranks = worlds.run(world_of(layout), run_engine, layout)
+            out[key] = ranks[0][0], assemble([shards for _, shards in ranks])
     return lambda stage: out[tuple(sorted(reference_layout(stage).items()))]
 
 

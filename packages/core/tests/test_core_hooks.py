@@ -99,3 +99,8 @@ def test_required_axes():
     # Offload is the DeepSpeed bridge's, which owns ZeRO and data-parallel reduction.
     offload = ParallelConfig.from_kwargs(data=2, zero=3, offload={"parameters": "cpu"})
     assert required_axes(offload) == ["offload"]
+    # A mixture-of-experts model trains with its router losses: the expert axis applies
+    # at degree 1 too.
+    assert required_axes(ParallelConfig(), has_experts=True) == ["expert"]
+    assert sorted(required_axes(ParallelConfig.from_kwargs(expert=2), has_experts=True)) == [
+        "data", "expert"]
