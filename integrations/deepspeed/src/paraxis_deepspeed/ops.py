@@ -10,6 +10,7 @@ the process group's all-reduce without it), so the bridge starts the layer witho
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import threading
@@ -44,11 +45,11 @@ def skip_inference_comm_op() -> None:
     """Start DeepSpeed's CPU communication layer without its inference-only shared-memory
     kernel (see the module docstring). Call before ``deepspeed.init_distributed`` or
     ``deepspeed.initialize``; a no-op on other accelerators."""
-    import deepspeed.comm.torch as ds_comm
     from deepspeed.accelerator import get_accelerator
 
     if get_accelerator().device_name() == "cpu":
-        ds_comm.build_shm_op = lambda: None
+        # By module name: ``deepspeed.comm.torch`` as an attribute is torch itself.
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 
 def is_built(builder) -> bool:
