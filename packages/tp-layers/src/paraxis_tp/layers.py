@@ -17,7 +17,8 @@ same step, and forward hooks put core's collectives around it:
   own are looked up as row 0, their rows zeroed after the module's forward, and the
   partial embeddings summed.
 
-Shards are built by :func:`shard_rows`; ``memo`` maps a dense weight to its shard, so a
+Shards are built by :func:`shard_rows` (:func:`sharded_parameter` along any dimension,
+with its placement); ``memo`` maps a dense weight to its shard, so a
 weight two modules share (tied word embeddings) stays one parameter.
 """
 
@@ -34,7 +35,7 @@ from paraxis.grid import AxisGroup
 from paraxis.placement import placement_of, set_placement
 
 __all__ = ["SEQ_DIM", "map_first_input", "shard_column", "shard_embedding", "shard_row",
-           "shard_rows"]
+           "shard_rows", "sharded_parameter"]
 
 SEQ_DIM = 1  # activations are (batch, sequence, hidden)
 
@@ -63,7 +64,7 @@ def shard_rows(t: torch.Tensor, group: AxisGroup, *, parts: int = 1,
     return local, start, real, per - real
 
 
-def _sharded(old: nn.Parameter, group: AxisGroup, memo: dict[int, nn.Parameter], *,
+def sharded_parameter(old: nn.Parameter, group: AxisGroup, memo: dict[int, nn.Parameter], *,
              dim: int = 0, parts: int = 1, padded: int | None = None) -> nn.Parameter:
     """The shard of ``old`` along ``dim`` over the tensor axis, with its placement."""
     if id(old) in memo:
@@ -96,9 +97,9 @@ def shard_column(linear: nn.Linear, group: AxisGroup, memo: dict[int, nn.Paramet
                  parts: int = 1, padded: int | None = None, gather_output: bool = False,
                  enter: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
     real_out = linear.out_features
-    linear.weight = _sharded(linear.weight, group, memo, parts=parts, padded=padded)
+    linear.weight = sharded_parameter(linear.weight, group, memo, parts=parts, padded=padded)
     if linear.bias is not None:
-        linear.bias = _sharded(linear.bias, group, memo, parts=parts, padded=padded)
+        linear.bias = sharded_parameter(linear.bias, group, memo, parts=parts, padded=padded)
     linear.out_features = linear.weight.shape[0]
     if enter is not None:
         linear.register_forward_pre_hook(
@@ -114,7 +115,7 @@ def shard_column(linear: nn.Linear, group: AxisGroup, memo: dict[int, nn.Paramet
 def shard_row(linear: nn.Linear, group: AxisGroup, memo: dict[int, nn.Parameter], *,
               split_input: bool = False, sequence_parallel: bool = False,
               on_enter: Callable[[], None] | None = None) -> None:
-    linear.weight = _sharded(linear.weight, group, memo, dim=1)
+    linear.weight = sharded_parameter(linear.weight, group, memo, dim=1)
     linear.in_features = linear.weight.shape[1]
 
     def pre(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -144,7 +145,7 @@ def shard_row(linear: nn.Linear, group: AxisGroup, memo: dict[int, nn.Parameter]
 def shard_embedding(emb: nn.Embedding, group: AxisGroup, memo: dict[int, nn.Parameter], *,
                     padded: int) -> None:
     rows = emb.num_embeddings
-    emb.weight = _sharded(emb.weight, group, memo, padded=padded)
+    emb.weight = sharded_parameter(emb.weight, group, memo, padded=padded)
     per = emb.weight.shape[0]
     start = group.rank * per
     end = min(start + per, rows)  # ids this rank owns
