@@ -184,3 +184,41 @@ def _refuse_plan(plan):
     except paraxis.PlanError as exc:
         return str(exc)
     return ""
+
+
+class ScaledHead(nn.Linear):
+    """A head with a learned scale per output feature (Dory's LM head)."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, cfg.vocab_size))
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+def _scaled_head_model():
+    torch.manual_seed(0)
+    model = TinyTransformer(CFG)
+    model.head = ScaledHead(CFG)
+    return model
+
+
+def train_scaled_head(degrees):
+    engine = paraxis.parallelize(_scaled_head_model(), plan=TINY_PLAN, **degrees, train={
+        "steps": STEPS, "lr": LR, "warmup_steps": 1, "seq_length": CFG.seq_length})
+    g = torch.Generator().manual_seed(1)
+    history = [engine.train_step(torch.randint(0, CFG.vocab_size, (4, CFG.seq_length),
+                                               generator=g))["loss"] for _ in range(STEPS)]
+    shards = local_shards(engine.model)
+    engine.close()
+    return history, shards
+
+
+def test_a_column_modules_own_per_feature_parameters_are_split_with_it(worlds):
+    # The vocabulary (61) is padded to 62; the scale's padding row is never used.
+    ref, ref_shards = worlds.run(1, train_scaled_head, {})[0]
+    out = worlds.run(2, train_scaled_head, {"tensor": 2})
+    for losses, _ in out:
+        assert_losses_close(losses, ref)
+    assert_same_weights([s for _, s in out], ref_shards, lr=LR, steps=STEPS)

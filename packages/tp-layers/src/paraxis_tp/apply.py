@@ -51,13 +51,20 @@ from typing import Any
 
 from torch import nn
 
-from paraxis.collectives import all_gather, copy_to, split
+from paraxis.collectives import copy_to
 from paraxis.grid import AxisGroup
 from paraxis.placement import placement_of, set_placement
 from paraxis.plan import ModelPlan, PlanError
 from paraxis.stages import Absent, SkipLayer
 from paraxis_tp.cross_entropy import VocabParallelLoss
-from paraxis_tp.layers import SEQ_DIM, map_first_input, shard_column, shard_embedding, shard_row
+from paraxis_tp.layers import (
+    gather_tokens,
+    map_first_input,
+    shard_column,
+    shard_embedding,
+    shard_row,
+    split_tokens,
+)
 from paraxis_tp.regions import (
     REGION_STYLES,
     enter_region,
@@ -136,7 +143,7 @@ def apply_tensor_plan(model: nn.Module, plan: ModelPlan, group: AxisGroup, *,
     output_embedding = getattr(model, "get_output_embeddings", lambda: None)()
     rows = {n for n, s in styles.items() if s in ROW}
     parents_with_rows = {n.rpartition(".")[0] for n in rows}
-    enter = functools.partial(all_gather, group=group, dim=SEQ_DIM, grad="sum") if sp \
+    enter = functools.partial(gather_tokens, group=group, grad="sum") if sp \
         else functools.partial(copy_to, group=group)
     shared: dict[str, SharedEntry] = {}
     blocks: set[str] = set()  # blocks entered at their input
@@ -302,14 +309,14 @@ def shard_sequence(chunk: nn.Module, plan: ModelPlan, group: AxisGroup,
     name, layers = _layer_list(chunk, plan)
     _check_mixers_entered(name, layers, out.entered, plan.model_class)
     layers[first_layer].register_forward_pre_hook(
-        lambda m, args, kwargs: map_first_input(lambda x: split(x, group, dim=SEQ_DIM),
+        lambda m, args, kwargs: map_first_input(lambda x: split_tokens(x, group),
                                                 args, kwargs), with_kwargs=True)
     if not first_stage:
         # Every use of the gathered input is replicated over the tensor group (masks,
         # positions, then the split above), so its gradient is this rank's slice.
         chunk.register_forward_pre_hook(
             lambda m, args, kwargs: map_first_input(
-                lambda x: all_gather(x, group, dim=SEQ_DIM, grad="slice"), args, kwargs),
+                lambda x: gather_tokens(x, group, grad="slice"), args, kwargs),
             with_kwargs=True)
 
 

@@ -101,12 +101,12 @@ def enter_region(module: nn.Module, group: AxisGroup, *, sequence_parallel: bool
 
     def enter(t: torch.Tensor) -> torch.Tensor:
         if sequence_parallel:
-            return all_gather(t, group, dim=_token_dim(t), grad="sum")
+            return all_gather(t, group, dim=_token_dim(t), grad="sum").contiguous()
         return copy_to(t, group) if t.is_floating_point() else t
 
     def leave(t: torch.Tensor) -> torch.Tensor:
         if sequence_parallel:
-            return reduce_scatter(t, group, dim=_token_dim(t))
+            return reduce_scatter(t, group, dim=_token_dim(t)).contiguous()
         return reduce_from(t, group)
 
     module.register_forward_pre_hook(lambda m, args, kwargs: _map_tensors(enter, args, kwargs),
