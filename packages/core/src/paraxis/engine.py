@@ -232,8 +232,8 @@ class Engine:
 
     def _model_flops(self) -> float | None:
         shape = self.model_shape
-        if shape is None:
-            return None
+        if shape is None or not shape.hidden_size or not shape.num_attention_heads:
+            return None  # a config without the standard size names: no MFU
         embeddings = {id(p) for m in self.model.modules() if isinstance(m, nn.Embedding)
                       for p in m.parameters()}
         n = sum(math.prod(placement_of(p).global_shape) for p in self.model.parameters()
