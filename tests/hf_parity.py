@@ -17,44 +17,88 @@ from paraxis.testing.tolerance import assert_losses_close
 from paraxis_hf import build_debug_model
 
 LR, BATCH, SEQ = 1e-3, 8, 16
+_REFERENCES: dict[tuple, tuple] = {}
 
 
-def train(family, degrees, overrides, steps, options):
-    """Train ``steps`` steps; returns per-step (loss, grad_norm), an eval loss and shards."""
+def reference_order(count, microbatches, batch=BATCH):
+    """A sample order for the one-process reference under gradient accumulation: its
+    microbatch ``i`` holds every sample shard's microbatch ``i`` (``count`` shards of the
+    global batch, cut into ``microbatches`` each). The language-model loss is a sum over
+    tokens, so order never mattered to it; a router's load-balancing loss is computed
+    per forward, as transformers computes it per call, so the reference must run the
+    same microbatches as the parallel run's global ones."""
+    per = batch // count
+    size = per // microbatches
+    return [r * per + i * size + j for i in range(microbatches) for r in range(count)
+            for j in range(size)]
+
+
+def train(family, degrees, overrides, steps, options, order=None, seq=SEQ, batch=BATCH):
+    """Train ``steps`` steps of ``batch`` sequences of ``seq`` tokens; returns per-step
+    (loss, grad_norm, router loss or None), an eval loss and shards. ``order`` permutes
+    each global batch's samples first."""
     config = ParallelConfig.from_kwargs(**degrees, **options)
     model = build_debug_model(family, **overrides)
     vocab = model.config.vocab_size
     engine = paraxis.parallelize(model, config=config, train={
-        "steps": steps, "lr": LR, "warmup_steps": 2, "seq_length": SEQ})
+        "steps": steps, "lr": LR, "warmup_steps": 2, "seq_length": seq})
     index, count = engine.grid.sample_shard()
-    part = slice(index * BATCH // count, (index + 1) * BATCH // count)
+    part = slice(index * batch // count, (index + 1) * batch // count)
     g = torch.Generator().manual_seed(3)
     history = []
     for _ in range(steps):
-        ids = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
+        ids = torch.randint(0, vocab, (batch, seq), generator=g)
         labels = ids.clone()
         labels[0, :9] = -100  # uneven token counts over the data ranks
+        if order is not None:
+            ids, labels = ids[order], labels[order]
         m = engine.train_step({"input_ids": ids[part], "labels": labels[part]})
-        history.append((m["loss"], m["grad_norm"]))
-    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(4))
+        history.append((m["loss"], m["grad_norm"], m.get("moe/aux_loss")))
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(4))
     eval_loss = engine.eval_step(ids[part])
     shards = local_shards(engine.model)
     engine.close()
     return history, eval_loss, shards
 
 
-def compare(worlds, family, degrees, *, overrides=None, steps=8, **options):
-    """Run ``degrees`` and one process on ``family``; assert parity; return the runs."""
+def compare(worlds, family, degrees, *, overrides=None, steps=8, seq=SEQ, batch=BATCH,
+            **options):
+    """Run ``degrees`` and one process on ``family`` (``batch`` sequences of ``seq``
+    tokens per step); assert parity; return the runs.
+
+    The reference runs the same microbatches (see :func:`reference_order`) and the same
+    ``moe`` section; a router loss, when the model has one, is compared per step too."""
     overrides = overrides or {}
-    single = {k: v for k, v in options.items() if k == "activation_checkpointing"}
-    ref_history, ref_eval, ref_shards = worlds.run(1, train, family, {}, overrides, steps,
-                                                   single)[0]
-    world = ParallelConfig.from_kwargs(**degrees).world_size
-    out = worlds.run(world, train, family, degrees, overrides, steps, options)
+    single = {k: v for k, v in options.items()
+              if k in ("activation_checkpointing", "microbatches", "moe")}
+    config = ParallelConfig.from_kwargs(**degrees, **options)
+    par = config.parallelism
+    order = reference_order(par.data * par.expert, config.schedule.microbatches, batch)
+    order = None if order == sorted(order) else order
+    key = (family, repr(sorted(overrides.items())), steps, repr(sorted(single.items())),
+           repr(order), seq, batch)
+    if key not in _REFERENCES:  # layouts sharing a reference run it once per session
+        _REFERENCES[key] = worlds.run(1, train, family, {}, overrides, steps, single,
+                                      order, seq, batch)[0]
+    ref_history, ref_eval, ref_shards = _REFERENCES[key]
+    out = worlds.run(config.world_size, train, family, degrees, overrides, steps, options,
+                     None, seq, batch)
+    print(f"{family} {degrees} {options}: worst relative difference over {steps} steps "
+          + ", ".join(f"{what} {_worst(out, ref_history, i):.1e}" for i, what in
+                      enumerate(("loss", "grad norm", "router loss"))
+                      if ref_history[0][i] is not None))
     for history, eval_loss, _ in out:
         assert_losses_close([h[0] for h in history], [h[0] for h in ref_history])
         assert_losses_close([h[1] for h in history], [h[1] for h in ref_history],
                             "gradient norms")
+        if ref_history[0][2] is not None:
+            assert_losses_close([h[2] for h in history], [h[2] for h in ref_history],
+                                "router load-balancing losses")
         assert_losses_close([eval_loss], [ref_eval], "evaluation loss")
     assert_same_weights([s for _, _, s in out], ref_shards, lr=LR, steps=steps)
     return out
+
+
+def _worst(out, reference, i):
+    return max(abs(h[i] - r[i]) / abs(r[i]) for history, _, _ in out
+               for h, r in zip(history, reference, strict=True))

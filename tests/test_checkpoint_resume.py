@@ -49,9 +49,12 @@ def test_checkpoint_directory_format(tmp_path):
     step_dir = ckpt / "step-00000003"
     assert sorted(p.name for p in step_dir.iterdir()) == [
         "index.json", "rank00000.safetensors", "rank00001.safetensors"]
-    assert not list(ckpt.glob(".tmp-*"))  # the atomic write left nothing behind
+    # The atomic write left nothing else behind (no .tmp-, .old- or .part files).
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-00000003"]
     index = json.loads((step_dir / "index.json").read_text())
-    assert index["format_version"] == 1 and index["step"] == 3
+    assert index["format_version"] == 2 and index["step"] == 3
+    assert set(index["files"]) == {"rank00000.safetensors", "rank00001.safetensors"}
+    assert all(len(f["sha256"]) == 64 and f["bytes"] > 0 for f in index["files"].values())
     assert index["grid"]["degrees"]["data"] == 2 and len(index["grid"]["coords"]) == 2
     assert index["data"] == {"position": 24, "seed": 0}
     assert index["parallel_config"]["parallelism"]["data"] == 2

@@ -57,6 +57,7 @@ def test_cli_rejects_a_bad_config_before_starting_processes(tmp_path):
                   cwd=tmp_path)
     assert out.returncode == 1
     for text in ("train.global_batch = 7", "model.num_attention_heads = 4",
-                 "model.num_key_value_heads = 2", "pip install paraxis-moe-ep"):
+                 "model.num_key_value_heads = 2",
+                 "parallelism.expert = 2: the model has no experts"):  # paraxis-moe-ep's rule
         assert text in out.stderr or text in out.stdout, (text, out.stderr)
     assert "torch.distributed.run" not in out.stderr

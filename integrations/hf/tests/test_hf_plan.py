@@ -46,6 +46,13 @@ def test_moe_blocks_are_found():
     plan = find_plan(model, make_plugin_manager(), None)
     assert plan.experts == ("model.layers.0.mlp", "model.layers.1.mlp")
     plan.require("expert")
+    # Experts stay whole per expert rank: transformers' expert-splitting tensor entries
+    # are left out; attention is still split.
+    assert plan.extra["experts_kept_whole"] == [
+        "model.layers.*.mlp.experts", "model.layers.*.mlp.experts.down_proj",
+        "model.layers.*.mlp.experts.gate_up_proj"]
+    assert not [p for p in plan.tensor if ".experts" in p]
+    assert plan.tensor_style("model.layers.0.self_attn.q_proj") == "colwise"
 
 
 def test_build_hook_and_unknown_family():

@@ -1,5 +1,7 @@
 """The W&B logger never stops training: offline runs, failures, and switching off."""
 
+import time
+
 import pytest
 
 from paraxis.run_config import RunConfig
@@ -19,8 +21,14 @@ def test_offline_run_records_config_metrics_and_summary(tmp_path, monkeypatch):
     logger.metrics(1, {"loss": 5.0, "tokens_per_s": 1000.0})
     logger.end({"final_loss": 4.0})
     (record,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    keys = (b"tokens_per_s", b"final_loss", b"degrees", b"unit")
+    # W&B's writer is another process: finish() can return before the last records
+    # reach the file (seen on a loaded machine), so wait for them, briefly.
+    deadline = time.monotonic() + 30
+    while not all(k in record.read_bytes() for k in keys) and time.monotonic() < deadline:
+        time.sleep(0.2)
     data = record.read_bytes()
-    for key in (b"tokens_per_s", b"final_loss", b"degrees", b"unit"):
+    for key in keys:
         assert key in data, key
 
 
@@ -64,3 +72,39 @@ def test_init_failure_falls_back_to_offline(tmp_path, monkeypatch):
     logger.start(config(), {})
     assert modes == [None, "offline"] and logger.run is not None
     logger.end({})
+
+
+MOE_STEP = {
+    "loss": 4.0, "moe/aux_loss": 0.002, "moe/load_imbalance": 1.5,
+    **{f"moe/model.layers.{i}.mlp/{kind}/{e}": float(10 * (i + 1) + e)
+       for i in (0, 1, 10) for kind in ("assigned", "accepted", "dropped", "processed",
+                                        "dispatch_bytes", "compute_s", "prob_mean")
+       for e in range(4)},
+    **{f"moe/model.layers.0.mlp/prob_hist/{b}": 1.0 for b in range(10)},
+}
+
+
+def test_moe_arrays_become_a_table_and_a_heatmap(tmp_path, monkeypatch):
+    from paraxis_wandb.moe import heatmap_svg, split_moe_arrays, table_rows
+
+    scalars, arrays = split_moe_arrays(MOE_STEP)
+    assert set(scalars) == {"loss", "moe/aux_loss", "moe/load_imbalance"}
+    assert list(arrays) == ["model.layers.0.mlp", "model.layers.1.mlp", "model.layers.10.mlp"]
+    assert arrays["model.layers.1.mlp"]["assigned"] == [20.0, 21.0, 22.0, 23.0]
+    assert len(arrays["model.layers.0.mlp"]["prob_hist"]) == 10
+    columns, rows = table_rows(arrays)
+    assert columns[:3] == ["layer", "expert", "assigned"] and len(rows) == 12
+    svg = heatmap_svg(arrays, title="t")
+    assert svg.startswith("<svg") and svg.count("<rect") == 12 and "13 1.13x" in svg
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    logger = WandbLogger()
+    logger.start(config(), {})
+    logger.metrics(1, MOE_STEP)
+    assert logger.run is not None  # logging the panels did not fail
+    logger.end({})
+    (run,) = tmp_path.glob("wandb/offline-run-*")
+    assert list(run.glob("files/media/table/moe/experts_*.table.json"))
+    (picture,) = run.glob("files/media/html/moe/load_heatmap_*.html")
+    assert "model.layers.10.mlp" in picture.read_text()

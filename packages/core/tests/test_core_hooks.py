@@ -93,3 +93,8 @@ def test_required_axes():
     # Expert and context replicas average dense gradients too: that is the data strategy.
     assert sorted(required_axes(ParallelConfig.from_kwargs(expert=2))) == ["data", "expert"]
     assert required_axes(ParallelConfig.from_kwargs(data=2, zero=3)) == ["zero"]
+    # A mixture-of-experts model trains with its router losses: the expert axis applies
+    # at degree 1 too.
+    assert required_axes(ParallelConfig(), has_experts=True) == ["expert"]
+    assert sorted(required_axes(ParallelConfig.from_kwargs(expert=2), has_experts=True)) == [
+        "data", "expert"]

@@ -162,3 +162,33 @@ def test_parallelize_refuses_options_beside_a_config():
         assert "both config= and options" in str(exc)
     else:
         raise AssertionError("options beside config= were silently dropped")
+
+
+def die_mid_step():
+    """Rank 2 dies while the others wait in an all-reduce of the data axis."""
+    import os
+
+    from paraxis.collectives import all_reduce_
+    from paraxis.grid import Grid
+    grid = Grid.build({"data": dist.get_world_size()})
+    all_reduce_(torch.ones(4), grid.group("data"))  # everyone alive: fine
+    if grid.rank == 2:
+        os._exit(1)
+    all_reduce_(torch.ones(4), grid.group("data"))  # raises CollectiveError
+    return None
+
+
+def test_a_dead_rank_is_named_by_the_others():
+    from paraxis.testing import DistributedWorld, RankFailure
+
+    world = DistributedWorld(3, timeout=60).start()
+    try:
+        world.run(die_mid_step)
+    except RankFailure as exc:
+        report = str(exc)
+    else:
+        raise AssertionError("the world survived a dead rank")
+    assert "rank 2 died" in report
+    for rank in (0, 1):  # both survivors said which collective and which rank
+        assert f"all_reduce over data (ranks [0, 1, 2]) failed on rank {rank}" in report
+    assert "unresponsive ranks: [2]" in report, report[-3000:]

@@ -24,7 +24,8 @@ class DenseAndExpert(nn.Module):
 
 
 def expert_placement_rank():
-    """data=2 x expert=2: dense grads average over 4 ranks, expert grads over 2."""
+    """data=2 x expert=2: dense grads average over 4 ranks; expert grads sum over their 2
+    replicas and are divided by the 4 ranks holding distinct tokens."""
     config = ParallelConfig.from_kwargs(data=2, expert=2)
     grid = Grid.build(config)
     e = grid.coords["expert"]
@@ -59,8 +60,12 @@ def expert_placement_rank():
     expert_all = gathered(local.expert.weight.grad)
     peers = grid.group("data").ranks  # same expert coordinate
     torch.testing.assert_close(model.dense.weight.grad, sum(dense_all) / 4)
+    # Expert gradients are summed over their replicas (same expert coordinate) and
+    # divided, like every gradient, by the 4 ranks holding distinct tokens: the engine
+    # scales each rank's loss by that count, and an expert's gradient already sums the
+    # tokens of every expert rank (the all-to-all), so this is the one-process mean.
     torch.testing.assert_close(model.expert.weight.grad,
-                               sum(expert_all[r] for r in peers) / len(peers))
+                               sum(expert_all[r] for r in peers) / 4)
     # A parameter no rank used reduces as zeros, so every rank still steps identically.
     assert torch.count_nonzero(model.unused.weight.grad) == 0
     grid.destroy()

@@ -23,6 +23,9 @@ FAMILIES = {
                         n_shared_experts=1, kv_lora_rank=16, q_lora_rank=16,
                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8),
     "olmoe": dict(intermediate_size=48, num_experts=4, num_experts_per_tok=2),
+    # Top-k on bias-corrected probabilities, a shared expert; MoE from layer 0 here.
+    "ernie4_5_moe": dict(intermediate_size=64, moe_intermediate_size=48, moe_num_experts=4,
+                         moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=0),
 }
 NUM_EXPERTS, TOP_K, HIDDEN = 4, 2, 32
 
@@ -48,3 +51,14 @@ def shares(world, shape, seed, dtype=torch.float32):
     """Every rank's tensor of ``shape`` (the same list on every rank)."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(shape, generator=g, dtype=dtype) for _ in range(world)]
+
+
+def plan_of(model):
+    """The plan paraxis-hf would give: the modules holding an ``experts`` child (the
+    package's own tests run without paraxis-hf installed)."""
+    from paraxis.plan import ModelPlan
+
+    blocks = tuple(n for n, m in model.named_modules()
+                   if isinstance(getattr(m, "experts", None), torch.nn.Module))
+    return ModelPlan(type(model).__name__, experts=blocks,
+                     extra={"forward_kwargs": {"use_cache": False}})

@@ -1,7 +1,5 @@
 """Capacity, validation and layout rules, without processes."""
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 from torch import nn
@@ -11,7 +9,7 @@ from paraxis.errors import ConfigError
 from paraxis.grid import AxisGroup
 from paraxis.plugins import make_plugin_manager
 from paraxis.validation import ModelShape, validate
-from paraxis_moe import MoEConfig, UnsupportedMoELayout, expert_capacity, keep_mask
+from paraxis_moe import UnsupportedMoELayout, expert_capacity, keep_mask
 from paraxis_moe import _plugin as moe_plugin
 from paraxis_moe.config import moe_problems
 from paraxis_moe.experts import check_experts
@@ -48,42 +46,39 @@ def _config(**kw):
     return ParallelConfig.from_kwargs(**kw)
 
 
-@dataclass(frozen=True)
-class Shape(ModelShape):
-    """ModelShape with the proposed top-k field."""
-
-    experts_per_token: int = 0
-
-
 def test_validation_rules_each_name_field_value_rule_fix():
-    dense = Shape(64, 4, 2, 100)
-    moe = Shape(64, 4, 2, 100, num_experts=6, experts_per_token=8)
-
-    class WithMoE:
-        parallelism = _config(expert=4).parallelism
-        moe = MoEConfig(capacity_factor=0.0)
-
-    fields = {p.field: p for p in moe_problems(WithMoE, moe, [])}
+    dense = ModelShape(64, 4, 2, 100)
+    moe = ModelShape(64, 4, 2, 100, num_experts=6, experts_per_token=8)
+    fields = {p.field: p for p in moe_problems(_config(expert=4, sequence_parallel=True,
+                                                       tensor=2), moe, [])}
     assert set(fields) == {"model.num_experts", "model.num_experts_per_tok",
-                           "moe.capacity_factor"}
+                           "parallelism.sequence_parallel"}
     assert fields["model.num_experts"].value == 6 and "[1, 2, 3, 6]" in fields[
         "model.num_experts"].fix
     assert fields["model.num_experts_per_tok"].value == 8
-    assert [p.field for p in moe_problems(_config(expert=2), dense, [])] == ["parallelism.expert"]
-    assert moe_problems(_config(expert=2), Shape(64, 4, 2, 100, num_experts=4,
-                                                 experts_per_token=2), []) == []
+    (dense_problem,) = moe_problems(_config(expert=2), dense, [])
+    assert str(dense_problem).startswith("parallelism.expert = 2: the model has no experts")
+    assert moe_problems(_config(expert=2), ModelShape(64, 4, 2, 100, num_experts=4,
+                                                      experts_per_token=2), []) == []
     bad = moe_problems({"moe": {"drop_policy": "random"}, "parallelism": None}, None, [])
     assert [p.field for p in bad] == ["moe.drop_policy"]
 
 
-def test_validate_reports_once_with_core_and_plugin():
+def test_a_non_positive_capacity_factor_is_refused_when_the_config_is_built():
+    for factor in (0, -1.0):
+        with pytest.raises(ConfigError, match=r"moe\.capacity_factor"):
+            _config(moe={"capacity_factor": factor})
+    assert _config(moe={"capacity_factor": None}).moe.capacity_factor is None
+
+
+def test_validate_reports_each_rule_once():
     pm = make_plugin_manager(load_entrypoints=False, plugins=(moe_plugin,))
     with pytest.raises(ConfigError) as err:
-        validate(_config(expert=4), model=Shape(64, 4, 2, 100, num_experts=6), plugin_manager=pm)
-    # Core reports the divisibility itself; the plugin does not repeat it.
+        validate(_config(expert=4), model=ModelShape(64, 4, 2, 100, num_experts=6),
+                 plugin_manager=pm)
     assert [p.field for p in err.value.problems] == ["model.num_experts"]
     with pytest.raises(ConfigError) as err:
-        validate(_config(expert=2), model=Shape(64, 4, 2, 100), plugin_manager=pm)
+        validate(_config(expert=2), model=ModelShape(64, 4, 2, 100), plugin_manager=pm)
     assert [p.field for p in err.value.problems] == ["parallelism.expert"]
 
 
@@ -133,3 +128,18 @@ def test_group_of_one_runs_without_processes():
     ExpertParallel(model, ["model.layers.*.mlp"], one)
     assert type(block.experts).__name__ == "ExpertParallelMixtralExperts"
     torch.testing.assert_close(block(x), want)
+
+
+def test_grouped_keep_mask_is_each_groups_own_mask():
+    from paraxis.config import MoEConfig
+    from paraxis_moe.capacity import grouped_keep_mask
+
+    g = torch.Generator().manual_seed(0)
+    index = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(12)])
+    weights = torch.rand(12, 2, generator=g)
+    moe = MoEConfig(capacity_factor=0.5, min_capacity=0, drop_policy="probs")
+    cap = expert_capacity(6, 2, 4, 0.5)
+    want = torch.cat([keep_mask(index[:6], weights[:6], 4, cap),
+                      keep_mask(index[6:], weights[6:], 4, cap)])
+    assert torch.equal(grouped_keep_mask(index, weights, 4, moe, groups=2), want)
+    assert not torch.equal(grouped_keep_mask(index, weights, 4, moe, groups=1), want)

@@ -1,39 +1,35 @@
-"""The strategy against the intended ApplyContext contract (aux_losses, step_hooks,
-plan.experts), with stand-ins for what core will provide and a group of one rank:
+"""The strategy against core's ApplyContext contract (aux_losses with its carry,
+step_hooks, skip_verify, plan.experts, Strategy.check_model), on a group of one rank:
 no engine and no processes."""
 
 from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 
 from paraxis import ParallelConfig
+from paraxis.batch import AuxLosses
 from paraxis.grid import AxisGroup
 from paraxis.plan import ModelPlan
 from paraxis.plugins import collect_strategies, make_plugin_manager
 from paraxis.strategy import Phase
 from paraxis_moe import ExpertParallelStrategy
 from paraxis_moe import _plugin as moe_plugin
-from paraxis_moe.router import AUX_LOSS
+from paraxis_moe.router import AUX_LOSS, Z_LOSS
 
-
-class StandInAuxLosses:
-    """The interface of core's paraxis.batch.AuxLosses that the strategy uses."""
-
-    def __init__(self):
-        self.names, self.added = [], []
-
-    def declare(self, name):
-        self.names.append(name)
-
-    def add(self, name, part):
-        assert name in self.names
-        self.added.append((name, part))
+PLAN = ModelPlan("MixtralForCausalLM", experts=("model.layers.*.mlp",))
 
 
 class OneRankGrid:
     def group(self, axes):
         return AxisGroup(tuple([axes] if isinstance(axes, str) else axes), (0,), 0)
+
+
+def _ctx(**moe):
+    return SimpleNamespace(grid=OneRankGrid(), config=ParallelConfig.from_kwargs(moe=moe),
+                           plan=PLAN, aux_losses=AuxLosses(), step_hooks=[], extras={},
+                           pipeline=None, skip_verify=None)
 
 
 def test_registered_for_the_expert_axis_in_partition_phase():
@@ -42,33 +38,66 @@ def test_registered_for_the_expert_axis_in_partition_phase():
     assert ExpertParallelStrategy.phase == Phase.PARTITION
 
 
-def test_apply_declares_losses_adds_parts_and_reports_metrics():
+def test_apply_declares_losses_carries_parts_and_reports_metrics():
     pytest.importorskip("transformers")
     from moe_tiny_models import build
 
     model = build("mixtral", layers=2)
-    plan = ModelPlan("MixtralForCausalLM", experts=("model.layers.0.mlp", "model.layers.1.mlp"))
-    ctx = SimpleNamespace(grid=OneRankGrid(), config=ParallelConfig.from_kwargs(), plan=plan,
-                          aux_losses=StandInAuxLosses(), step_hooks=[], extras={})
+    ctx = _ctx(z_loss_coef=1e-3)
     assert ExpertParallelStrategy().apply(model, ctx) is model
-    assert ctx.aux_losses.names == [AUX_LOSS]
+    assert ctx.aux_losses.names == [AUX_LOSS, Z_LOSS]
+    assert ctx.aux_losses.carry_size == 4 + 1  # the router counts and the row count
+    assert ctx.skip_verify is None  # dropless: the parity probe applies
     ids = torch.randint(0, 64, (2, 5))
     out = model(input_ids=ids, output_router_logits=True)
-    assert [n for n, _ in ctx.aux_losses.added] == [AUX_LOSS]
-    part = ctx.aux_losses.added[0][1]
-    torch.testing.assert_close(part, model.config.router_aux_loss_coef * out.aux_loss)
-    with torch.no_grad():  # evaluation: no part is handed over, the counts still are
+    objective = ctx.aux_losses.objective(torch.zeros(()), 1.0)
+    torch.testing.assert_close(ctx.aux_losses.totals[AUX_LOSS],
+                               float(model.config.router_aux_loss_coef * out.aux_loss.detach()))
+    lse = torch.logsumexp(torch.cat(out.router_logits), -1)
+    torch.testing.assert_close(objective, model.config.router_aux_loss_coef * out.aux_loss
+                               + 1e-3 * lse.square().mean())
+    with torch.no_grad():  # evaluation: nothing carried, nothing counted
         model(input_ids=ids)
-    assert len(ctx.aux_losses.added) == 1
+    assert ctx.aux_losses.pop_carried().resolvers == []
     # Routing outside the model's forward (e.g. a recomputation) is not counted.
     model.model.layers[0].mlp(torch.randn(1, 3, 32))
     metrics = ctx.step_hooks[0]()
-    assert metrics["moe/tokens_assigned"] == 2 * 2 * (2 * 5) * 2
+    assert metrics["moe/tokens_assigned"] == 2 * (2 * 5) * 2
     assert metrics["moe/model.layers.1.mlp/router_entropy"] > 0
+    last = ctx.extras["expert"].last_step
+    assert list(last) == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert last["model.layers.0.mlp"]["assigned"].sum() == 2 * 5 * 2
 
 
-def test_apply_refuses_without_the_core_contract():
-    ctx = SimpleNamespace(grid=OneRankGrid(), config=ParallelConfig.from_kwargs(), plan=None,
-                          extras={})
-    with pytest.raises(RuntimeError, match="aux_losses"):
+def test_a_capacity_factor_skips_the_parity_probe_with_the_reason():
+    pytest.importorskip("transformers")
+    from moe_tiny_models import build
+
+    ctx = _ctx(capacity_factor=1.25)
+    ExpertParallelStrategy().apply(build("mixtral"), ctx)
+    assert "capacity_factor=1.25" in ctx.skip_verify
+
+
+class ListExperts(nn.Module):
+    """The pre-5.x layout: one module per expert."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(4, 2)
+        self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+
+def test_check_model_names_an_unknown_layout():
+    model = nn.Module()
+    model.layers = nn.ModuleList([ListExperts()])
+    problems = ExpertParallelStrategy.check_model(
+        model, ParallelConfig.from_kwargs(expert=2), ModelPlan("M", experts=("layers.*",)))
+    assert [p.field for p in problems] == ["model"]
+    assert "layers.0.experts" in problems[0].rule and "ModuleList" in problems[0].rule
+
+
+def test_apply_refuses_without_a_plan():
+    ctx = _ctx()
+    ctx.plan = None
+    with pytest.raises(RuntimeError, match="plan naming the MoE blocks"):
         ExpertParallelStrategy().apply(torch.nn.Linear(2, 2), ctx)

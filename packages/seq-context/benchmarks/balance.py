@@ -38,10 +38,11 @@ def run_rank(plans: list[Block], tensors: list[torch.Tensor], dim: int) -> float
     begin = time.thread_time()
     for p in plans:
         r, c = p.rows, p.cols
-        out, lse = block_forward(q[:, r], k[:, c], v[:, c], scale=dim ** -0.5, mask=p.mask)
+        out, lse = block_forward(q[:, r], k[:, c], v[:, c], scale=dim ** -0.5, mask=p.mask,
+                                 causal=p.causal)
         delta = (do[:, r] * out).sum(-1).transpose(1, 2)
         block_backward(do[:, r], q[:, r], k[:, c], v[:, c], lse, delta,
-                       scale=dim ** -0.5, mask=p.mask)
+                       scale=dim ** -0.5, mask=p.mask, causal=p.causal, out=out)
     return time.thread_time() - begin
 
 

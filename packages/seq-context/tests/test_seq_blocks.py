@@ -48,6 +48,7 @@ def test_zigzag_causal_rule(size):
             if src == rank:
                 assert blk.mask is not None and torch.equal(blk.mask, torch.ones(
                     2 * c, 2 * c, dtype=torch.bool).tril())
+                assert blk.causal  # the fused kernel's is_causal
             elif src < rank:
                 assert (blk.rows, blk.cols, blk.mask) == (slice(0, 2 * c), slice(0, half), None)
             else:
@@ -115,6 +116,24 @@ def test_block_backward_matches_autograd(causal):
     torch.testing.assert_close(o, out.detach(), rtol=1e-12, atol=1e-12)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+def test_fused_cpu_block_matches_autograd(causal, dtype, tol):
+    """The fused CPU flash kernel (no mask, or the causal triangle), forward and its
+    backward given the final out/lse, GQA, against SDPA and autograd."""
+    q, k, v = (t.requires_grad_(True) for t in qkv(seed=4))
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(5), dtype=q.dtype)
+    want = full_and_grads(q, k, v, dout, causal=causal, scale=0.3)
+    mask = torch.ones(16, 16, dtype=torch.bool).tril() if causal else None
+    q, k, v, dout = (t.detach().to(dtype) for t in (q, k, v, dout))
+    out, lse = block_forward(q, k, v, scale=0.3, mask=mask, causal=causal)
+    delta = (dout * out).sum(-1).transpose(1, 2)
+    grads = block_backward(dout, q, k, v, lse, delta, scale=0.3, mask=mask, causal=causal,
+                           out=out)
+    for g, w in zip((out, *grads), want, strict=True):
+        torch.testing.assert_close(g.double(), w, rtol=tol, atol=tol)
 
 
 def _alone():

@@ -21,7 +21,18 @@ DEBUG_CONFIGS: dict[str, dict[str, object]] = {
     "gpt2": {"n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 128, "n_positions": 64,
              "bos_token_id": 0, "eos_token_id": 0, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
              "attn_pdrop": 0.0},
+    # Mixture-of-experts families: 4 experts, top-2 (paraxis-moe-ep's parity runs). Mixtral
+    # (softmax, top-k, renormalized); Qwen2-MoE (no renormalization, a gated shared
+    # expert); Qwen3-MoE (renormalized, q/k norms); ERNIE-4.5-MoE (top-k on
+    # bias-corrected probabilities, shared experts, a dense first layer, tied embeddings).
     "mixtral": {**_DECODER, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2_moe": {**_DECODER, "num_experts": 4, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64},
+    "qwen3_moe": {**_DECODER, "num_experts": 4, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 32, "head_dim": 8, "norm_topk_prob": True},
+    "ernie4_5_moe": {**_DECODER, **_TOKENS, "moe_num_experts": 4, "moe_k": 2,
+                     "moe_intermediate_size": 32, "moe_num_shared_experts": 1,
+                     "moe_layer_start_index": 1},
     # Fused qkv_proj and gate_up_proj (tensor plan: colwise_gather_output).
     "phi3": {**_DECODER, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
     # Families with a quirk a pipeline stage or a tensor shard must keep: q/k norms;

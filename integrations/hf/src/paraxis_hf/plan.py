@@ -5,6 +5,13 @@ fully qualified, ``lm_head`` included) and ``_pp_plan`` (module -> input and out
 names); the config holds the base-model versions, ``base_model_tp_plan`` and
 ``base_model_pp_plan``, relative to ``base_model_prefix``. Mixture-of-experts blocks
 are the modules that hold an ``experts`` child.
+
+transformers' tensor plans of MoE families also split the fused experts
+(``moe_tp_experts``, ``packed_colwise`` on ``experts.gate_up_proj``); paraxis keeps each
+expert whole on its expert rank (the expert axis shards experts, tensor parallelism
+splits attention and dense MLPs, shared experts included where the plan names them),
+so those entries are left out of the tensor plan and listed in
+``extra["experts_kept_whole"]``.
 """
 
 from __future__ import annotations
@@ -50,6 +57,12 @@ def _pipeline_plan(model: nn.Module) -> dict[str, tuple[tuple[str, ...], tuple[s
     return {n: (tuple(plan[n][0]), tuple(plan[n][1])) for n in names}
 
 
+def _is_expert_entry(pattern: str) -> bool:
+    """A tensor-plan entry for the fused experts module or its tensors (not a shared
+    expert, whose module names differ: ``shared_expert(s)``)."""
+    return pattern.endswith(".experts") or ".experts." in pattern
+
+
 def _expert_blocks(model: nn.Module) -> tuple[str, ...]:
     return tuple(name for name, module in model.named_modules()
                  if isinstance(getattr(module, "experts", None), nn.Module))
@@ -59,6 +72,9 @@ def hf_plan(model: nn.Module) -> ModelPlan:
     """The plan of a transformers ``PreTrainedModel``, from the model's own metadata."""
     cls = type(model).__name__
     tensor, pipeline = _tensor_plan(model), _pipeline_plan(model)
+    experts = _expert_blocks(model)
+    whole = sorted(p for p in tensor if experts and _is_expert_entry(p))
+    tensor = {p: style for p, style in tensor.items() if p not in whole}
     missing = [axis for axis, part in (("tensor", tensor), ("pipeline", pipeline)) if not part]
     source = "transformers model plan" + (
         f" (the model defines no {' or '.join(missing)} plan)" if missing else "")
@@ -66,12 +82,13 @@ def hf_plan(model: nn.Module) -> ModelPlan:
         model_class=cls,
         tensor=tensor,
         pipeline=pipeline,
-        experts=_expert_blocks(model),
+        experts=experts,
         source=source,
         extra={
             # Training needs no KV cache; building one costs memory every step.
             "forward_kwargs": {"use_cache": False},
             "expert_plan": dict(getattr(model.config, "base_model_ep_plan", None) or {}),
+            "experts_kept_whole": whole,
             "base_model_prefix": getattr(model, "base_model_prefix", ""),
             "tie_word_embeddings": bool(getattr(model.config, "tie_word_embeddings", False)),
         },

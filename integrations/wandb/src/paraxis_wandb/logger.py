@@ -6,6 +6,8 @@ import logging
 import os
 from typing import Any
 
+from paraxis_wandb.moe import heatmap_svg, split_moe_arrays, table_rows
+
 __all__ = ["WandbLogger"]
 
 log = logging.getLogger(__name__)
@@ -41,13 +43,29 @@ class WandbLogger:
         log.warning("W&B logging disabled for this run; training continues")
 
     def metrics(self, step: int, metrics: dict[str, float]) -> None:
+        """Scalars as they are; the per-layer, per-expert MoE arrays (paraxis-moe-ep's
+        ``moe/<block>/<kind>/<expert>``) as the table ``moe/experts`` and the heatmap
+        picture ``moe/load_heatmap`` (:mod:`paraxis_wandb.moe`)."""
         if self.run is None:
             return
+        scalars, arrays = split_moe_arrays(metrics)
         try:
-            self.run.log(dict(metrics), step=step)
+            payload: dict[str, Any] = dict(scalars)
+            if arrays:
+                payload.update(self._moe_panels(arrays, step))
+            self.run.log(payload, step=step)
         except Exception as exc:
             log.warning("W&B log failed, logging disabled for this run: %s", exc)
             self.run = None
+
+    @staticmethod
+    def _moe_panels(arrays: dict[str, Any], step: int) -> dict[str, Any]:
+        import wandb
+
+        columns, rows = table_rows(arrays)
+        return {"moe/experts": wandb.Table(columns=columns, data=rows),
+                "moe/load_heatmap": wandb.Html(heatmap_svg(
+                    arrays, title=f"step {step}: tokens assigned"))}
 
     def figure(self, name: str, svg: str, step: int) -> None:
         if self.run is None:

@@ -48,10 +48,15 @@ def preflight(model: nn.Module, config: ParallelConfig, *, train: TrainSection,
         model_shape = ModelShape.from_hf_config(model.config)
     if model_shape is not None:  # what is split and counted is the trained length
         model_shape = dataclasses.replace(model_shape, seq_length=train.seq_length)
-    validate(config, world_size=world_size or launched_world_size(), model=model_shape,
-             plugin_manager=pm)
-    resolve_strategies(config, pm)  # a missing axis package fails here, before any group
     model_plan = find_plan(model, pm, plan)
+    # A missing axis package fails here, before any group.
+    strategies = resolve_strategies(config, pm, has_experts=bool(model_plan.experts))
+    # What only the module shows (a layout an axis does not know, an attention kernel it
+    # cannot intercept) is reported with the configuration's problems, all at once.
+    module_problems = [p for cls in strategies for p in cls.check_model(model, config,
+                                                                         model_plan)]
+    validate(config, world_size=world_size or launched_world_size(), model=model_shape,
+             plugin_manager=pm, extra=module_problems)
     for axis in PLANNED_AXES:
         if config.degrees[axis] > 1:
             model_plan.require(axis)

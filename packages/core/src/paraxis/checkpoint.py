@@ -13,7 +13,10 @@ reads only the overlapping parts of the shards, so a checkpoint saved on one gri
 restore on another.
 
 Writes are atomic: every rank writes into a temporary directory, rank 0 writes the
-index, renames the directory, then replaces ``latest``.
+index, renames the directory, then replaces ``latest``; a process killed at any point
+leaves the previous checkpoint loadable and ``latest`` naming a complete one. Every
+file's size and SHA-256 are in the index and are checked before a file is trusted
+(:mod:`paraxis.checkpoint_files`).
 """
 
 from __future__ import annotations
@@ -27,39 +30,34 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
-from safetensors import safe_open
 from safetensors.torch import save_file
 
+from paraxis.checkpoint_files import (
+    FORMAT_VERSION,
+    CheckedFiles,
+    CheckpointError,
+    file_digest,
+    read_index,
+)
+from paraxis.collectives import all_gather_object, barrier
 from paraxis.placement import Placement, placement_of
 
 if TYPE_CHECKING:
     from paraxis.engine import Engine
 
-__all__ = ["FORMAT_VERSION", "load_checkpoint", "resolve", "save_checkpoint"]
-
-FORMAT_VERSION = 1
+__all__ = ["FORMAT_VERSION", "CheckpointError", "load_checkpoint", "resolve",
+           "save_checkpoint"]
 
 
 def _pieces(t: torch.Tensor, p: Placement) -> list[tuple[str, torch.Tensor, list[int],
                                                            list[list[int]]]]:
     """(key suffix, local view, global shape, [offset, length] per dim) of each logical
-    tensor that ``t`` (laid out as ``p``) holds: one, or one per block of a packed dim.
-    Padding rows are cut off, so they are neither saved nor loaded."""
-    shape = list(p.global_shape)
-    region = [[0, n] for n in shape]
-    packed = None
-    for s in p.shards:
-        if s.padding:
-            t = t.narrow(s.dim, 0, s.length * s.parts)
-        region[s.dim] = [s.offset, s.length]
-        if s.parts > 1:
-            packed = s
-            shape[s.dim] //= s.parts
-    if packed is None:
-        return [("", t, shape, region)]
-    return [(f"#part{k}", view, shape, region)
-            for k, view in enumerate(t.chunk(packed.parts, dim=packed.dim))]
+    tensor block that ``t`` (laid out as ``p``) holds: one, one per block of a packed
+    dim, or none for a shard of padding only. Nested shards (a data shard of a tensor
+    shard, :class:`paraxis.placement.Shard`) map to their global rows; padding rows are
+    cut off, so they are neither saved nor loaded."""
+    return [(piece.suffix, t[piece.local], list(piece.shape), [list(r) for r in piece.region])
+            for piece in p.pieces()]
 
 
 def _owner(p: Placement, coords: dict[str, int]) -> bool:
@@ -80,10 +78,15 @@ def _local_entries(engine: Engine) -> tuple[dict[str, torch.Tensor], dict[str, A
     coords = engine.grid.coords
     for param in engine.model.parameters():
         rec = placement_of(param)
+        if _owner(rec, coords):
+            for suffix, view, shape, region in _pieces(param, rec):
+                put(f"model/{rec.name}{suffix}", view, shape, region)
+    # State follows the optimizer's own parameters: the model's, or the shards a ZeRO
+    # optimizer steps, each with its placement.
+    for param in _optimizer_params(engine.optimizer):
+        rec = placement_of(param)
         if not _owner(rec, coords):
             continue
-        for suffix, view, shape, region in _pieces(param, rec):
-            put(f"model/{rec.name}{suffix}", view, shape, region)
         for k, v in engine.optimizer.state.get(param, {}).items():
             if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(param.shape):
                 for suffix, view, shape, region in _pieces(v, rec):
@@ -96,6 +99,14 @@ def _local_entries(engine: Engine) -> tuple[dict[str, torch.Tensor], dict[str, A
     for name, state in _rng_states(engine).items():
         put(f"rng/rank{rank}/{name}", state, [-1], [])
     return tensors, entries
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    seen: dict[int, torch.Tensor] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            seen.setdefault(id(p), p)
+    return list(seen.values())
 
 
 def _rng_states(engine: Engine) -> dict[str, torch.Tensor]:
@@ -117,29 +128,49 @@ def save_checkpoint(engine: Engine, directory: str | os.PathLike[str]) -> str:
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    dist.barrier()
+    barrier(engine.grid.world)
     filename = f"rank{rank:05d}.safetensors"
     tensors, entries = _local_entries(engine)
     save_file(tensors, str(tmp / filename))
-    gathered: list[Any] = [None] * engine.grid.world_size
-    dist.all_gather_object(gathered, (filename, entries, random.getstate()))
+    digest = file_digest(tmp / filename)
+    gathered = all_gather_object((filename, entries, random.getstate(), digest),
+                                 engine.grid.world)
     if rank == 0:
         index = _index(engine, gathered)
-        (tmp / "index.json").write_text(json.dumps(index, indent=1))
-        final = root / name
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        pointer = root / ".latest.tmp"
-        pointer.write_text(name + "\n")
-        os.replace(pointer, root / "latest")
-    dist.barrier()
+        _write_atomically(tmp / "index.json", json.dumps(index, indent=1))
+        _publish(tmp, root / name)
+        _write_atomically(root / "latest", name + "\n")
+    barrier(engine.grid.world)
     return str(root / name)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write a small file so that readers see the old or the new content, never half."""
+    part = path.with_name(f".{path.name}.part")
+    with open(part, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, path)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename a finished save into place. A step saved again replaces the old copy by
+    renames only, so no moment leaves ``latest`` naming a half-deleted directory."""
+    if final.exists():
+        old = final.with_name(f".old-{final.name}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
 
 
 def _index(engine: Engine, gathered: list[Any]) -> dict[str, Any]:
     layout = engine.grid.layout
     tensors: dict[str, Any] = {}
-    for filename, entries, _ in gathered:
+    for filename, entries, _, _ in gathered:
         for key, e in entries.items():
             slot = tensors.setdefault(key, {"shape": e["shape"], "dtype": e["dtype"],
                                             "whole": e["whole"], "shards": []})
@@ -164,7 +195,8 @@ def _index(engine: Engine, gathered: list[Any]) -> dict[str, Any]:
         "data": engine.data_state,
         "scheduler": engine.scheduler.state_dict() if engine.scheduler else None,
         "optimizer": {"param_groups": opt_groups},
-        "python_rng": [list(map(_jsonable, state)) for _, _, state in gathered],
+        "python_rng": [list(map(_jsonable, state)) for _, _, state, _ in gathered],
+        "files": {filename: digest for filename, _, _, digest in gathered},
         "tensors": tensors,
     }
 
@@ -180,25 +212,27 @@ def _version() -> str:
 
 
 def resolve(directory: str | os.PathLike[str]) -> Path:
-    """A step directory: ``directory`` itself, or what its ``latest`` names."""
+    """A step directory: ``directory`` itself, or what its ``latest`` names (a save of
+    the same step killed between its two renames left it as ``.old-step-N``)."""
     root = Path(directory)
     if (root / "index.json").exists():
         return root
     latest = root / "latest"
     if not latest.exists():
-        raise FileNotFoundError(f"no checkpoint in {root}: neither index.json nor latest")
-    return root / latest.read_text().strip()
+        raise CheckpointError(f"no checkpoint in {root}: neither index.json nor latest")
+    step = root / latest.read_text().strip()
+    if not step.exists() and (root / f".old-{step.name}").exists():
+        return root / f".old-{step.name}"
+    return step
 
 
 class _Reader:
-    def __init__(self, ckpt: Path, index: dict[str, Any]):
+    def __init__(self, ckpt: Path, index: dict[str, Any], *, verify: bool = True):
         self.ckpt, self.index = ckpt, index
-        self._open: dict[str, Any] = {}
+        self.files = CheckedFiles(ckpt, index, verify=verify)
 
     def _file(self, name: str) -> Any:
-        if name not in self._open:
-            self._open[name] = safe_open(str(self.ckpt / name), framework="pt")
-        return self._open[name]
+        return self.files.open(name)
 
     def read(self, key: str, region: list[list[int]] | None = None) -> torch.Tensor:
         """The part ``region`` ([offset, length] per dim) of tensor ``key``, assembled
@@ -254,20 +288,40 @@ def _load_optimizer_state(reader: _Reader, keys: dict[str, list[str]], param: to
     return state
 
 
+def _check_model(index: dict[str, Any], engine: Engine, ckpt: Path) -> None:
+    """Every parameter of the model is in the checkpoint, with its global shape."""
+    wrong = []
+    for param in engine.model.parameters():
+        rec = placement_of(param)
+        for suffix, _, shape, _ in _pieces(param, rec):
+            entry = index["tensors"].get(f"model/{rec.name}{suffix}")
+            if entry is None:
+                wrong.append(f"{rec.name}{suffix} is missing")
+            elif list(entry["shape"]) != list(shape):
+                wrong.append(f"{rec.name}{suffix} has global shape {entry['shape']}, the "
+                             f"model's is {list(shape)}")
+    if wrong:
+        raise CheckpointError(
+            f"{ckpt} was saved from another model: {'; '.join(wrong[:4])}"
+            f"{f' (and {len(wrong) - 4} more)' if len(wrong) > 4 else ''}")
+
+
 @torch.no_grad()
-def load_checkpoint(engine: Engine, directory: str | os.PathLike[str]) -> None:
-    """Restore model, optimizer, scheduler, step, data position and (same grid) RNG."""
+def load_checkpoint(engine: Engine, directory: str | os.PathLike[str], *,
+                    verify: bool = True) -> None:
+    """Restore model, optimizer, scheduler, step, data position and (same grid) RNG.
+    ``verify`` checks each file's SHA-256 before reading it (sizes are always checked)."""
     ckpt = resolve(directory)
-    index = json.loads((ckpt / "index.json").read_text())
-    if index.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{ckpt}: format version {index.get('format_version')} is not "
-                         f"{FORMAT_VERSION}")
-    reader = _Reader(ckpt, index)
+    index = read_index(ckpt)
+    _check_model(index, engine, ckpt)
+    reader = _Reader(ckpt, index, verify=verify)
     optimizer_keys = _optimizer_keys(index)
     for param in engine.model.parameters():
         rec = placement_of(param)
         for suffix, view, _, region in _pieces(param, rec):
             view.copy_(reader.read(f"model/{rec.name}{suffix}", region))
+    for param in _optimizer_params(engine.optimizer):
+        rec = placement_of(param)
         state = _load_optimizer_state(reader, optimizer_keys.get(rec.name, {}), param, rec)
         if state:
             engine.optimizer.state[param] = state
@@ -288,4 +342,4 @@ def load_checkpoint(engine: Engine, directory: str | os.PathLike[str]) -> None:
             stream.set_state(reader.read(f"rng/rank{rank}/{name}"))
         version, internal, gauss = index["python_rng"][rank]
         random.setstate((version, tuple(internal), gauss))
-    dist.barrier()
+    barrier(engine.grid.world)

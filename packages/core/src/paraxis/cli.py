@@ -8,7 +8,10 @@ import os
 import sys
 from collections.abc import Sequence
 
+from paraxis.checkpoint_inspect import add_checkpoint_commands
 from paraxis.errors import ConfigError
+from paraxis.launcher import add_launch_arguments
+from paraxis.lifecycle import LOCK_ENV, DirectoryLock, LockedError, die_with_parent
 from paraxis.planner.cli import add_plan_parser
 from paraxis.plugins import make_plugin_manager
 from paraxis.run_config import RunConfig
@@ -29,8 +32,9 @@ def _load_checked(args: argparse.Namespace) -> RunConfig:
                                            "max_position_embeddings": config.train.seq_length})
         model = model if model.hidden_size and model.num_attention_heads else None
     pm = make_plugin_manager()
+    missing = missing_axes(config, pm, has_experts=bool(model and model.num_experts))
     validate(config, world_size=getattr(args, "world_size", None), model=model,
-             plugin_manager=pm, extra=[*config.check_run(), *missing_axes(config, pm)])
+             plugin_manager=pm, extra=[*config.check_run(), *missing])
     return config
 
 
@@ -76,29 +80,41 @@ def _warn_if_too_big(config: RunConfig, args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    """Train from a config; outside torchrun, relaunch under it with the world size."""
+    """Train from a config; outside torchrun, launch the workers under torchrun's agent."""
     config = _load_or_report(args)
     if config is None:
         return 1
-    if "RANK" not in os.environ:
-        return _relaunch(config.world_size, sys.argv[1:] if args.argv is None else args.argv)
+    ckpt = config.train.checkpoint_dir
+    try:
+        if "RANK" not in os.environ:
+            from paraxis.launcher import LaunchOptions, run_workers
+
+            argv = sys.argv[1:] if args.argv is None else args.argv
+            return run_workers(config.world_size, LaunchOptions.from_args(args), argv, ckpt)
+        return _train_here(config)
+    except (ConfigError, LockedError) as exc:
+        print(f"{args.config}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _train_here(config: RunConfig) -> int:
+    """A worker: train on the current world (torchrun's environment)."""
     from paraxis.grid import shutdown
     from paraxis.trainer import train
 
-    train(config)
-    shutdown()
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent()  # never outlive the launcher (it may be killed outright)
+    lock = None
+    ckpt = config.train.checkpoint_dir
+    if ckpt and os.environ.get("RANK") == "0" and LOCK_ENV not in os.environ:
+        lock = DirectoryLock(ckpt).acquire()  # launched by torchrun directly
+    try:
+        train(config)
+        shutdown()
+    finally:
+        if lock is not None:
+            lock.release()
     return 0
-
-
-def _relaunch(world_size: int, argv: Sequence[str]) -> int:
-    """Exec torchrun: one process per rank, rendezvous on localhost."""
-    cpus = os.cpu_count() or 1
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cpus // world_size)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={world_size}", "-m", "paraxis", *argv]
-    sys.stdout.flush()
-    os.execv(sys.executable, cmd)
-    return 0  # not reached
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,8 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr = sub.add_parser("train", help=_cmd_train.__doc__)
     tr.add_argument("--config", required=True, help="YAML run configuration")
     tr.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=50")
+    add_launch_arguments(tr)
     tr.set_defaults(func=_cmd_train)
     add_plan_parser(sub)
+    add_checkpoint_commands(sub)
     make_plugin_manager().hook.paraxis_cli_commands(subparsers=sub)
     return parser
 

@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from paraxis.liveness import guard
+
 if TYPE_CHECKING:
     from paraxis.grid import AxisGroup
 
@@ -44,10 +46,12 @@ __all__ = [
     "Pending",
     "all_gather",
     "all_gather_into",
+    "all_gather_object",
     "all_reduce",
     "all_reduce_",
     "all_to_all",
     "all_to_all_uneven",
+    "barrier",
     "copy_to",
     "reduce_from",
     "reduce_scatter",
@@ -121,7 +125,8 @@ class Pending:
     def wait(self) -> Any:
         if self.work is not None:
             start = time.perf_counter()
-            self.work.wait()
+            with guard(self.group, self.op):
+                self.work.wait()
             _record(self.group, self.op, 0.0, time.perf_counter() - start)
             self.work = None
         return self.result
@@ -137,7 +142,8 @@ def all_reduce_(t: torch.Tensor, group: AxisGroup, *, op: Any = None,
         return Pending(None, group, "all_reduce") if async_op else None
     kwargs = {} if op is None else {"op": op}
     start = time.perf_counter()
-    work = dist.all_reduce(t, group=group.pg, async_op=async_op, **kwargs)
+    with guard(group, "all_reduce"):
+        work = dist.all_reduce(t, group=group.pg, async_op=async_op, **kwargs)
     _record(group, "all_reduce", _ring(t, group.size, 2.0),
             0.0 if async_op else time.perf_counter() - start)
     return Pending(work, group, "all_reduce") if async_op else None
@@ -150,7 +156,8 @@ def reduce_scatter_into(out: torch.Tensor, flat: torch.Tensor, group: AxisGroup,
         out.copy_(flat)
         return Pending(None, group, "reduce_scatter") if async_op else None
     start = time.perf_counter()
-    work = _scatter_flat(out, flat, group=group.pg, async_op=async_op)
+    with guard(group, "reduce_scatter"):
+        work = _scatter_flat(out, flat, group=group.pg, async_op=async_op)
     _record(group, "reduce_scatter", _ring(flat, group.size),
             0.0 if async_op else time.perf_counter() - start)
     return Pending(work, group, "reduce_scatter") if async_op else None
@@ -163,7 +170,8 @@ def all_gather_into(out: torch.Tensor, part: torch.Tensor, group: AxisGroup, *,
         out.copy_(part)
         return Pending(None, group, "all_gather") if async_op else None
     start = time.perf_counter()
-    work = _gather_flat(out, part, group=group.pg, async_op=async_op)
+    with guard(group, "all_gather"):
+        work = _gather_flat(out, part, group=group.pg, async_op=async_op)
     _record(group, "all_gather", _ring(out, group.size),
             0.0 if async_op else time.perf_counter() - start)
     return Pending(work, group, "all_gather") if async_op else None
@@ -199,6 +207,26 @@ def _sum(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     x = x.contiguous().clone()
     all_reduce_(x, group)
     return x
+
+
+def barrier(group: AxisGroup) -> None:
+    """Wait for every rank of ``group`` (a dead one is named, not waited for forever)."""
+    if group.size > 1:
+        start = time.perf_counter()
+        with guard(group, "barrier"):
+            dist.barrier(group=group.pg)
+        _record(group, "barrier", 0.0, time.perf_counter() - start)
+
+
+def all_gather_object(obj: Any, group: AxisGroup) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order (metadata, never tensors)."""
+    out: list[Any] = [None] * group.size
+    if group.size == 1:
+        out[0] = obj
+        return out
+    with guard(group, "all_gather_object"):
+        dist.all_gather_object(out, obj, group=group.pg)
+    return out
 
 
 # ---- differentiable -----------------------------------------------------------------
@@ -280,8 +308,9 @@ def _exchange(x: torch.Tensor, group: AxisGroup, send: Sequence[int],
     row = x[0].numel() * x.element_size() if x.shape[0] else 0
     mine = send[group.rank]
     start = time.perf_counter()
-    dist.all_to_all_single(out, x, output_split_sizes=list(recv), input_split_sizes=list(send),
-                           group=group.pg)
+    with guard(group, "all_to_all"):
+        dist.all_to_all_single(out, x, output_split_sizes=list(recv),
+                               input_split_sizes=list(send), group=group.pg)
     _record(group, "all_to_all", float((sum(send) - mine) * row), time.perf_counter() - start)
     return out
 
@@ -317,17 +346,29 @@ def _all_to_all(x: torch.Tensor, group: AxisGroup, scatter_dim: int,
     if x.shape[scatter_dim] % n:
         raise ValueError(f"dimension {scatter_dim} of size {x.shape[scatter_dim]} does not "
                          f"split over {n} ranks of {'x'.join(group.axes)}")
-    # Chunk i of the scatter dim goes to rank i; what arrives from rank j is stacked
-    # along the gather dim in rank order.
-    parts = x.movedim(scatter_dim, 0).reshape(n, -1, *x.movedim(scatter_dim, 0).shape[1:])
-    flat = parts.contiguous()
+    # Chunk i of the scatter dim goes to rank i: split that dim as (n, size/n) and move
+    # the rank index first, so whole runs of the dims after it move together (the
+    # layout of DeepSpeed-Ulysses' all-to-all; moving the scatter dim itself first
+    # copies with a stride per element of it, about twice slower for heads).
+    shape = list(x.shape)
+    chunk = [*shape[:scatter_dim], shape[scatter_dim] // n, *shape[scatter_dim + 1:]]
+    flat = x.reshape(*shape[:scatter_dim], n, *chunk[scatter_dim:]).movedim(
+        scatter_dim, 0).contiguous()
     out = torch.empty_like(flat)
     start = time.perf_counter()
-    dist.all_to_all_single(out, flat, group=group.pg)
+    with guard(group, "all_to_all"):
+        dist.all_to_all_single(out, flat, group=group.pg)
     _record(group, "all_to_all", _ring(flat, n), time.perf_counter() - start)
-    # out[j] is rank j's chunk for us, shaped like x with the scatter dim cut by n.
-    pieces = [p.movedim(0, scatter_dim) for p in out.unbind(0)]
-    return torch.cat(pieces, dim=gather_dim)
+    # out[j] is rank j's chunk for us, stacked along the gather dim in rank order: the
+    # rank index put just before that dim and merged with it, a view when the dims
+    # before it have size 1 (one sequence per rank); else one concatenation (faster
+    # than reshape's strided copy).
+    merged = list(chunk)
+    merged[gather_dim] *= n
+    try:
+        return out.movedim(0, gather_dim).view(merged)
+    except RuntimeError:
+        return torch.cat(out.unbind(0), dim=gather_dim)
 
 
 def copy_to(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:

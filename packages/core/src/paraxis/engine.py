@@ -22,12 +22,11 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from paraxis.batch import IGNORE_INDEX, Batch
-from paraxis.collectives import all_reduce_
+from paraxis.collectives import all_reduce_, barrier
 from paraxis.config import ParallelConfig
 from paraxis.grid import DENSE_REPLICA_AXES, Grid
 from paraxis.metrics import Tracer, flops_per_token, memory_stats, mfu
@@ -69,11 +68,15 @@ class Engine:
         self._loss_ranks = [r for r in range(layout.size) if layout.coords(r)["tensor"] == 0]
         self.tracer = Tracer(grid.rank)
         self.step = 0
+        self.stop_agreed = False  # some rank was asked to stop; all stop after this step
         self.data_state: dict[str, Any] = {}  # e.g. a BatchStream's position
         self.forward_kwargs = dict(plan.extra.get("forward_kwargs", {}))
         self.loss_fn = ctx.loss_fn or causal_lm_loss_sum
         self._flops_per_token = self._model_flops()
         self._fp32_only = False  # the parity probe compares fp32 with fp32
+        # Set by the trainer (paraxis.lifecycle.StopRequest): a signal asks every rank to
+        # stop after the same step; the per-step all-gather carries the flag.
+        self.stop_request: Any = None
 
     # ---- steps -----------------------------------------------------------------------
 
@@ -126,6 +129,8 @@ class Engine:
                     clip_grad_norm(self.params, self.train_cfg.grad_clip, self.grid))
         with self.tracer.span("optimizer"):
             self.optimizer.step()
+            # Measured before zero_grad: gradient buffers are model state too.
+            memory = memory_stats(self.model, self.optimizer, self.device)
             self.optimizer.zero_grad(set_to_none=True)
             lr = self.optimizer.param_groups[0]["lr"]
             if self.scheduler is not None:
@@ -138,6 +143,7 @@ class Engine:
         sums, fastest, slowest = self._reduce_step(total, step_time)
         out = self._metrics(sums[0] / tokens.clamp(min=1).item(), norm, lr, (fastest, slowest),
                             batch.input_ids.numel() * self.replicas.size, mark, comm_mark)
+        out.update(memory)
         out.update(zip(self.ctx.aux_losses.names, sums[1:], strict=True))
         out.update(extra)
         return out
@@ -152,10 +158,12 @@ class Engine:
         slowest rank's, and their spread shows stragglers."""
         aux = self.ctx.aux_losses
         mbs = self.config.schedule.microbatches
+        stop = float(getattr(self.stop_request, "requested", None) is not None)
         mine = torch.tensor([float(total), *(aux.totals.get(n, 0.0) / mbs for n in aux.names),
-                             step_time], dtype=torch.float64, device=self.device)
+                             stop, step_time], dtype=torch.float64, device=self.device)
         if self.grid.world_size == 1:
-            return mine[:-1].tolist(), step_time, step_time
+            self.stop_agreed = bool(stop)
+            return mine[:-2].tolist(), step_time, step_time
         every = torch.empty((self.grid.world_size, mine.numel()), dtype=mine.dtype,
                             device=mine.device)
         with self.tracer.span("metrics_gather", "comm"):
@@ -163,7 +171,8 @@ class Engine:
             from paraxis.collectives import all_gather_into
 
             all_gather_into(every.view(-1), mine, self.grid.world)
-        sums = every[self._loss_ranks, :-1].sum(dim=0).tolist()
+        sums = every[self._loss_ranks, :-2].sum(dim=0).tolist()
+        self.stop_agreed = bool(every[:, -2].max() > 0)  # every rank sees the same
         times = every[:, -1].tolist()
         return sums, min(times), max(times)
 
@@ -191,7 +200,7 @@ class Engine:
             loss_sum = self.ctx.forward_backward([batch], self.loss_fn, None, False)
         else:
             loss_sum, _ = self.loss_fn(self._logits(batch), batch.targets)
-        self.ctx.aux_losses.pop()  # evaluation reports the language-model loss only
+        self.ctx.aux_losses.clear()  # evaluation reports the language-model loss only
         return self._reduce_step(loss_sum, 0.0)[0][0] / tokens.clamp(min=1).item()
 
     def probe_loss(self, ids: torch.Tensor) -> float:
@@ -265,7 +274,6 @@ class Engine:
         if peak and self._flops_per_token:
             out["mfu"] = mfu(out["tokens_per_s"], self._flops_per_token, peak,
                              self.grid.world_size)
-        out.update(memory_stats(self.model, self.optimizer, self.device))
         return out
 
     # ---- state -----------------------------------------------------------------------
@@ -281,7 +289,7 @@ class Engine:
         self.model = self.optimizer = self.scheduler = None  # type: ignore[assignment]
         self.params = []
         gc.collect()
-        dist.barrier()
+        barrier(self.grid.world)
         self.grid.destroy()
 
     def save(self, directory: str) -> str:
@@ -290,8 +298,9 @@ class Engine:
 
         return save_checkpoint(self, directory)
 
-    def load(self, directory: str) -> None:
-        """Restore from ``directory`` (its ``latest`` pointer, or a step directory)."""
+    def load(self, directory: str, *, verify: bool = True) -> None:
+        """Restore from ``directory`` (its ``latest`` pointer, or a step directory);
+        ``verify`` checks every file's checksum first."""
         from paraxis.checkpoint import load_checkpoint
 
-        load_checkpoint(self, directory)
+        load_checkpoint(self, directory, verify=verify)

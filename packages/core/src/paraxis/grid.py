@@ -23,6 +23,7 @@ import torch.distributed as dist
 from paraxis.collectives import CommStats
 from paraxis.config import AXES, ParallelConfig
 from paraxis.errors import ConfigError, Problem
+from paraxis.liveness import Heartbeat
 
 __all__ = [
     "DENSE_REPLICA_AXES",
@@ -129,6 +130,7 @@ class Grid:
         # without a pipeline): the ranks that hold a tied embedding (Megatron's
         # embedding group).
         self.embedding = embedding
+        self.heartbeat: Heartbeat | None = None
 
     @classmethod
     def build(cls, config: ParallelConfig | Mapping[str, int]) -> Grid:
@@ -154,7 +156,9 @@ class Grid:
         if layout.degrees["pipeline"] > 1:
             ends = [[g[0], g[-1]] for g in layout.group_ranks("pipeline")]
             embedding = _new_group_of(ends, layout, rank, ("pipeline",), comm)
-        return cls(layout, rank, groups, comm, embedding)
+        grid = cls(layout, rank, groups, comm, embedding)
+        grid.heartbeat = Heartbeat(rank).start()  # so a dead peer can be named
+        return grid
 
     def group(self, axes: str | Iterable[str]) -> AxisGroup:
         """This rank's group along ``axes`` (a name or several, any order)."""
@@ -214,6 +218,8 @@ class Grid:
                 dist.destroy_process_group(g.pg)
         self._groups.clear()
         self.embedding = None
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
 
 
 def _new_group_of(members: list[list[int]], layout: GridLayout, rank: int,

@@ -102,19 +102,33 @@ def mfu(tokens_per_s: float, per_token: float, peak_flops: float, devices: int) 
 def memory_stats(model: nn.Module, optimizer: torch.optim.Optimizer | None,
                  device: torch.device) -> dict[str, float]:
     """Peak memory of this rank: the CUDA allocator's peak on GPU; on CPU the bytes of
-    model state (parameters, gradients, optimizer state) and the process's peak RSS."""
+    model state and the process's peak RSS.
+
+    Model state is every storage behind the model's parameters and their gradients, the
+    optimizer's parameters (a ZeRO optimizer's shards) and their gradients, and the
+    optimizer state, each storage counted once: a view (a gradient inside a bucket, a
+    shard inside a parameter) adds nothing, the flat buffer behind it is counted whole.
+    The engine measures before ``zero_grad``, so gradient buffers count."""
     if device.type == "cuda":
         return {"peak_alloc_bytes": float(torch.cuda.max_memory_allocated(device))}
-    state = 0
+    tensors: list[torch.Tensor | None] = []
     for p in model.parameters():
-        state += p.numel() * p.element_size()
-        if p.grad is not None:
-            state += p.grad.numel() * p.grad.element_size()
+        tensors += [p, p.grad]
     if optimizer is not None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                tensors += [p, p.grad]
         for st in optimizer.state.values():
-            state += sum(t.numel() * t.element_size() for t in st.values()
-                         if isinstance(t, torch.Tensor))
+            tensors += [t for t in st.values() if isinstance(t, torch.Tensor)]
+    seen: set[int] = set()
+    state = 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            state += storage.nbytes()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     rss *= 1 if sys.platform == "darwin" else 1024  # Linux reports KiB
     return {"model_state_bytes": float(state), "peak_rss_bytes": float(rss)}
-

@@ -203,11 +203,24 @@ class Strategy:
         checkpoints store that state where it lives."""
         return None
 
+    @classmethod
+    def check_model(cls, model: nn.Module, config: ParallelConfig,
+                    plan: object | None) -> list[Problem]:
+        """What this axis cannot do with ``model`` (a module layout it does not know),
+        found by looking at the module tree before any process group exists. Called by
+        ``parallelize`` on every resolved strategy; all problems are raised together as
+        one :class:`~paraxis.errors.ConfigError`. Default: none."""
+        return []
 
-def required_axes(config: ParallelConfig) -> list[str]:
-    """The strategy axes a configuration needs, in no particular order."""
+
+def required_axes(config: ParallelConfig, *, has_experts: bool = False) -> list[str]:
+    """The strategy axes a configuration needs, in no particular order. A model with
+    mixture-of-experts blocks (``has_experts``: its plan names some) always needs the
+    expert axis, even at degree 1: its router losses and statistics live there."""
     par = config.parallelism
     wanted = [a for a in ("pipeline", "tensor", "expert", "context") if getattr(par, a) > 1]
+    if has_experts and "expert" not in wanted:
+        wanted.append("expert")
     # Gradients of dense parameters are averaged over data x expert x context.
     if par.zero > 0:
         wanted.append("zero")
@@ -224,23 +237,27 @@ def _setting(config: ParallelConfig, axis: str) -> tuple[str, Any]:
     return f"{section}.{axis}", getattr(getattr(config, section), axis)
 
 
-def missing_axes(config: ParallelConfig, pm: pluggy.PluginManager) -> list[Problem]:
+def missing_axes(config: ParallelConfig, pm: pluggy.PluginManager, *,
+                 has_experts: bool = False) -> list[Problem]:
     """A problem for every required axis that no installed plugin provides."""
     from paraxis.plugins import collect_strategies
 
     available = collect_strategies(pm)
-    return [Problem(*_setting(config, axis), f"no installed package provides the {axis} axis",
+    return [Problem(*_setting(config, axis), f"no installed package provides the {axis} axis"
+                    + (" (a mixture-of-experts model trains with its router losses)"
+                       if axis == "expert" and has_experts else ""),
                     f"pip install {PACKAGE_FOR_AXIS[axis]}")
-            for axis in required_axes(config) if axis not in available]
+            for axis in required_axes(config, has_experts=has_experts) if axis not in available]
 
 
-def resolve_strategies(config: ParallelConfig, pm: pluggy.PluginManager) -> list[type[Strategy]]:
+def resolve_strategies(config: ParallelConfig, pm: pluggy.PluginManager, *,
+                       has_experts: bool = False) -> list[type[Strategy]]:
     """The strategy classes to apply, in phase order; a missing axis names its package."""
     from paraxis.plugins import collect_strategies
 
     available = collect_strategies(pm)
     chosen = []
-    for axis in required_axes(config):
+    for axis in required_axes(config, has_experts=has_experts):
         if axis not in available:
             raise MissingAxisPackageError(axis, PACKAGE_FOR_AXIS[axis])
         chosen.append(available[axis])
@@ -268,7 +285,7 @@ def apply_parallelism(model: nn.Module, *, grid: Grid, config: ParallelConfig,
     from paraxis.plugins import make_plugin_manager
 
     pm = plugin_manager or make_plugin_manager()
-    strategies = resolve_strategies(config, pm)
+    strategies = resolve_strategies(config, pm, has_experts=bool(getattr(plan, "experts", ())))
     record_replicated(model)
     ctx = ApplyContext(grid=grid, config=config, plan=plan, plugin_manager=pm)
     return apply_strategies(model, ctx, strategies), ctx

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ from torch import nn
 from paraxis.api import parallelize
 from paraxis.data import BatchStream, load_tokenizer, pack
 from paraxis.engine import Engine
+from paraxis.lifecycle import StopRequest
 from paraxis.plugins import make_plugin_manager
 from paraxis.run_config import ModelSection, RunConfig
 from paraxis.tiny import TinyConfig, TinyTransformer
@@ -75,7 +78,7 @@ def _fmt(key: str, value: float) -> str:
     return f"{value:.4f}"
 
 
-def _summary_table(summary: dict[str, float]) -> None:
+def _summary_table(summary: dict[str, float], rows: Sequence[tuple[str, str]] = ()) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -84,7 +87,34 @@ def _summary_table(summary: dict[str, float]) -> None:
     table.add_column("value", justify="right")
     for key, value in summary.items():
         table.add_row(key, _fmt(key, value))
+    for key, text in rows:
+        table.add_row(key, text)
     Console().print(table)
+
+
+_ASSIGNED = re.compile(r"^moe/(.+)/assigned/(\d+)$")
+
+
+def _expert_load(history: list[dict[str, float]]) -> tuple[dict[str, float], list[tuple[str, str]]]:
+    """The most and least loaded expert over the run, from the per-layer, per-expert
+    ``moe/<block>/assigned/<expert>`` metrics (paraxis-moe-ep): summary values (load
+    over the mean load) and the table's rows naming them."""
+    totals: dict[tuple[str, int], float] = {}
+    for m in history:
+        for key, value in m.items():
+            if hit := _ASSIGNED.match(key):
+                where = (hit[1], int(hit[2]))
+                totals[where] = totals.get(where, 0.0) + value
+    mean = sum(totals.values()) / len(totals) if totals else 0.0
+    if not mean:
+        return {}, []
+    out, rows = {}, []
+    for label, pick in (("most", max), ("least", min)):
+        (block, expert), n = pick(totals.items(), key=lambda kv: kv[1])
+        out[f"moe/{label}_loaded_vs_mean"] = n / mean
+        rows.append((f"{label} loaded expert",
+                     f"{block} #{expert}: {n:,.0f} routed ({n / mean:.2f}x mean)"))
+    return out, rows
 
 
 def _save(engine: Engine, cfg: RunConfig) -> None:
@@ -104,6 +134,8 @@ def train(cfg: RunConfig, history: list[dict[str, float]] | None = None) -> dict
             "seq_length": cfg.train.seq_length}})
     engine = parallelize(build_model(model_spec, pm, seed=cfg.train.seed), config=cfg,
                          train=cfg.train, plugin_manager=pm)
+    signals = StopRequest().install()
+    engine.stop_request = signals
     grid = engine.grid
     rows = pack(cfg.data, cfg.train.seq_length, tokenizer)
     index, count = grid.sample_shard()
@@ -136,18 +168,29 @@ def train(cfg: RunConfig, history: list[dict[str, float]] | None = None) -> dict
                     print(_console_line(metrics, cfg.train.steps), flush=True)
             if update is not None:
                 update(metrics)
+            if engine.stop_agreed:  # a signal reached some rank: every rank stops here
+                break
             every = cfg.train.checkpoint_every
             if every and engine.step % every == 0 and not last:
                 _save(engine, cfg)
     _save(engine, cfg)
+    signals.uninstall()
+    if engine.stop_agreed and logging:
+        command = os.environ.get("PARAXIS_COMMAND", "the same command")
+        where = (f"checkpoint {cfg.train.checkpoint_dir}/step-{engine.step:08d} written; "
+                 f"resume with: {command}" if cfg.train.checkpoint_dir else
+                 "no checkpoint written (train.checkpoint_dir is not set)")
+        print(f"stopped by a signal after step {engine.step}: {where}", flush=True)
     _log_pipeline_timeline(engine, cfg, pm, logging)
     if cfg.train.trace_dir:
         engine.tracer.export(Path(cfg.train.trace_dir) / f"rank{grid.rank:05d}.trace.json")
     summary = _summarize(history[done_before:], time.perf_counter() - start,
                          engine.step - first)
+    load, rows = _expert_load(history[done_before:])
+    summary.update(load)
     if logging:
         pm.hook.paraxis_log_end(summary=summary)
-        _summary_table(summary)
+        _summary_table(summary, rows)
     engine.close()
     return summary
 

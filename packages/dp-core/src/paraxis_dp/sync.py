@@ -3,7 +3,8 @@
 The scheme of PyTorch DDP (Li et al., "PyTorch Distributed", VLDB 2020, arXiv:2006.15704),
 written against paraxis placements rather than wrapping ``DistributedDataParallel``:
 
-* parameters are packed into flat buckets of about ``bucket_mb`` MiB, filled in reverse
+* parameters are packed into flat buckets of about ``bucket_mb`` MiB (core's layout,
+  :mod:`paraxis.buckets`, shared with ZeRO), filled in reverse
   registration order, which approximates the order backward produces gradients;
 * a parameter's gradient lives in its bucket (``param.grad`` is a view of the flat
   buffer), so a full bucket is reduced with no copy;
@@ -11,9 +12,13 @@ written against paraxis placements rather than wrapping ``DistributedDataParalle
   all-reduce starts asynchronously, overlapping the rest of backward;
 * buckets start in a fixed order on every rank, so ranks never disagree on which
   collective comes next even if their hooks fire in different orders;
-* each parameter is averaged over the group its placement names (dense parameters over
-  data x expert x context, expert parameters over data x context); one bucket never
-  mixes groups or dtypes.
+* each parameter's gradient is summed over the group its placement names (dense
+  parameters over data x expert x context, expert parameters over data x context) and
+  divided by the number of ranks holding distinct tokens (data x expert x context),
+  because the engine scales each rank's loss by that number: dense gradients become
+  their mean, and an expert's gradient, which already sums every expert rank's tokens
+  through the all-to-all, is not counted ``expert`` times (Megatron-Core scales expert
+  gradients the same way); one bucket never mixes groups or dtypes.
 """
 
 from __future__ import annotations
@@ -21,35 +26,19 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from paraxis.buckets import FlatBucket, MiB, adopt_grad, assign_buckets, token_replicas
 from paraxis.collectives import all_reduce_
-from paraxis.grid import AxisGroup, Grid
-from paraxis.placement import placement_of
+from paraxis.grid import Grid
 from paraxis.strategy import SyncOrder
 
 __all__ = ["DataParallel"]
 
-MiB = 1 << 20
-
-
-@dataclass(eq=False)
-class _Bucket:
-    group: AxisGroup
-    params: list[nn.Parameter]
-    buffer: torch.Tensor
-    views: list[torch.Tensor]
-    ready: set[int] = field(default_factory=set)
-    work: Any = None
-
-    @property
-    def full(self) -> bool:
-        return len(self.ready) == len(self.params)
+_Bucket = FlatBucket  # the layout lives in core (paraxis.buckets), shared with ZeRO
 
 
 class DataParallel:
@@ -69,6 +58,7 @@ class DataParallel:
         self.module = module
         self.grid = grid
         self.bucket_bytes = int(bucket_mb * MiB)
+        self.divisor = token_replicas(grid)
         self._sync = True
         self._next = 0  # index of the next bucket to launch
         self.buckets = self._build_buckets()
@@ -84,39 +74,18 @@ class DataParallel:
     # ---- construction ------------------------------------------------------------
 
     def _build_buckets(self) -> list[_Bucket]:
+        """Core's bucket layout (:mod:`paraxis.buckets`), shared with ZeRO."""
         params = [p for p in self.module.parameters() if p.requires_grad]
-        open_buckets: dict[tuple[Any, ...], list[nn.Parameter]] = {}
-        sizes: dict[tuple[Any, ...], int] = {}
-        done: list[tuple[AxisGroup, list[nn.Parameter]]] = []
-        for p in reversed(params):
-            group = self.grid.group(placement_of(p).grad_sync_axes)
-            if group.size == 1:
-                continue
-            key = (group.axes, p.dtype, p.device)
-            open_buckets.setdefault(key, []).append(p)
-            sizes[key] = sizes.get(key, 0) + p.numel() * p.element_size()
-            if sizes[key] >= self.bucket_bytes:
-                done.append((group, open_buckets.pop(key)))
-                sizes.pop(key)
-        for key, ps in open_buckets.items():
-            done.append((self.grid.group(key[0]), ps))
-        return [self._make_bucket(g, ps) for g, ps in done]
-
-    @staticmethod
-    def _make_bucket(group: AxisGroup, params: list[nn.Parameter]) -> _Bucket:
-        total = sum(p.numel() for p in params)
-        buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
-        views, offset = [], 0
-        for p in params:
-            views.append(buffer[offset: offset + p.numel()].view_as(p))
-            offset += p.numel()
-        return _Bucket(group, params, buffer, views)
+        return [FlatBucket.allocate(group, ps, self.divisor)
+                for group, ps in assign_buckets(params, self.grid, self.bucket_bytes,
+                                                include_single=self.divisor > 1)]
 
     @torch.no_grad()
     def _broadcast_from_first_replica(self) -> None:
         by_group: dict[tuple[str, ...], list[torch.Tensor]] = {}
         for b in self.buckets:
-            by_group.setdefault(b.group.axes, []).extend(b.params)
+            if b.group.size > 1:
+                by_group.setdefault(b.group.axes, []).extend(b.params)
         dense = self.grid.group(("data", "expert", "context"))
         if dense.size > 1:
             by_group.setdefault(dense.axes, []).extend(self.module.buffers())
@@ -145,24 +114,16 @@ class DataParallel:
         if bucket.full:
             self._launch_ready()
 
-    @staticmethod
-    def _adopt_grad(param: nn.Parameter, view: torch.Tensor) -> None:
-        """Make ``param.grad`` the bucket view (a copy only when the optimizer's
-        ``zero_grad(set_to_none=True)`` or accumulation replaced it)."""
-        grad = param.grad
-        if grad is None:
-            view.zero_()
-        elif grad.data_ptr() != view.data_ptr():
-            view.copy_(grad)
-        param.grad = view
+    _adopt_grad = staticmethod(adopt_grad)
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self.buckets[self._next].full:
             self._launch(self.buckets[self._next])
 
     def _launch(self, bucket: _Bucket) -> None:
-        # Pre-divide so the sum is the mean, as DDP does; fp32 keeps it exact enough.
-        bucket.buffer.div_(bucket.group.size)
+        # Pre-divide, as DDP does (for dense parameters the sum becomes the mean); fp32
+        # keeps it exact enough. A group of one only rescales (expert=E alone).
+        bucket.buffer.div_(bucket.divisor)
         bucket.work = all_reduce_(bucket.buffer, bucket.group, async_op=True)
         self._next += 1
 

@@ -2,7 +2,7 @@
 the ``expert`` axis and reached by all-to-all; routing logged per layer and expert."""
 
 from paraxis_moe.capacity import expert_capacity, keep_mask
-from paraxis_moe.config import MoEConfig, experts_per_token
+from paraxis_moe.config import MoEConfig, aux_coef, experts_per_token, moe_config
 from paraxis_moe.dispatcher import AllToAllDispatcher
 from paraxis_moe.experts import ExpertParallelExperts, UnsupportedMoELayout, shard_experts
 from paraxis_moe.layer import ExpertParallel
@@ -20,8 +20,10 @@ __all__ = [
     "MoEStats",
     "RouterLosses",
     "UnsupportedMoELayout",
+    "aux_coef",
     "expert_capacity",
     "experts_per_token",
     "keep_mask",
+    "moe_config",
     "shard_experts",
 ]

@@ -20,7 +20,7 @@ def paraxis_register_strategies(register: Callable[[type[Strategy]], None]) -> N
 @hookimpl
 def paraxis_validate_config(config: Any, model: Any, problems: list[Problem]) -> None:
     """Expert degree on a dense model or not dividing the experts, top-k above the
-    expert count, and a non-positive capacity factor."""
+    expert count, sequence parallelism with experts, a non-positive capacity factor."""
     from paraxis_moe.config import moe_problems
 
     problems.extend(moe_problems(config, model, problems))

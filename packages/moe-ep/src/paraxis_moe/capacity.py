@@ -19,10 +19,11 @@ residual connection around the block carries it on.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
-__all__ = ["expert_capacity", "keep_mask"]
+__all__ = ["expert_capacity", "grouped_keep_mask", "keep_mask"]
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float,
@@ -54,3 +55,19 @@ def keep_mask(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_expert
     keep = torch.zeros(n, dtype=torch.bool, device=experts.device)
     keep[order] = rank_in_expert < capacity
     return keep.view_as(top_k_index)
+
+
+def grouped_keep_mask(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int,
+                      moe: Any, groups: int = 1) -> torch.Tensor:
+    """:func:`keep_mask` under ``moe``'s capacity (a :class:`paraxis.config.MoEConfig`)
+    applied to each of ``groups`` equal runs of consecutive tokens separately: a rank
+    routes one group (its own tokens); one process given ``groups = n`` drops exactly
+    what ``n`` ranks holding those runs drop."""
+    tokens, k = top_k_index.shape
+    if tokens % groups:
+        raise ValueError(f"{tokens} tokens do not split into {groups} capacity groups")
+    size = tokens // groups
+    cap = expert_capacity(size, k, num_experts, moe.capacity_factor, moe.min_capacity)
+    return torch.cat([keep_mask(i, w, num_experts, cap, moe.drop_policy)
+                      for i, w in zip(top_k_index.split(size), top_k_weights.split(size),
+                                      strict=True)])

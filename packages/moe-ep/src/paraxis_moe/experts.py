@@ -32,7 +32,7 @@ from torch import nn
 from paraxis.config import AXES
 from paraxis.grid import AxisGroup
 from paraxis.placement import Placement, has_placement, placement_of, set_placement
-from paraxis_moe.capacity import expert_capacity, keep_mask
+from paraxis_moe.capacity import grouped_keep_mask
 from paraxis_moe.config import MoEConfig
 from paraxis_moe.dispatcher import AllToAllDispatcher, Dispatched
 from paraxis_moe.stats import BackwardTimer, LayerStats
@@ -74,28 +74,55 @@ class ExpertParallelExperts(nn.Module):
     # False while activation checkpointing recomputes: the exchanges still run (and
     # their bytes count) but the routing counts are not added twice.
     recording: bool
+    # Capacity applies per group of T / capacity_groups consecutive tokens: 1 on every
+    # rank (its own tokens); n lets one process drop what n ranks would.
+    capacity_groups: int = 1
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        num_tokens, k = top_k_index.shape
-        e = self.dispatcher.num_experts
         keep = None
         if self.moe.capacity_factor is not None:
-            cap = expert_capacity(num_tokens, k, e, self.moe.capacity_factor,
-                                  self.moe.min_capacity)
-            keep = keep_mask(top_k_index, top_k_weights, e, cap, self.moe.drop_policy)
+            keep = grouped_keep_mask(top_k_index, top_k_weights, self.dispatcher.num_experts,
+                                     self.moe, self.capacity_groups)
         timer, moved = None, {}
-        if self.stats is not None and hidden_states.requires_grad:
+        counting = self.stats is not None and torch.is_grad_enabled()  # not in evaluation
+        if counting and hidden_states.requires_grad:
             timer = BackwardTimer(lambda label, s: self._backward_segment(label, s, moved))
+        if keep is None and self.dispatcher.group.size == 1:
+            return self._alone(hidden_states, top_k_index, top_k_weights, timer, moved)
         d = self.dispatcher.dispatch(hidden_states, top_k_index, keep, timer)
-        moved.update(total=d.bytes_out, per_expert=d.bytes_per_expert())
+        moved.update(total=d.bytes_out, per_expert=d.bytes_per_expert(),
+                     share=self._share(d.recv_counts.sum(0)))
         start = time.perf_counter()
         out = self._local_experts(d)
         compute_s = time.perf_counter() - start
         y, combine_s = self.dispatcher.combine(out, d, top_k_weights, keep, timer)
-        if self.stats is not None:
-            self._record(d, top_k_index, compute_s, d.seconds + combine_s)
+        if counting:
+            self._record(d, top_k_index, compute_s, d.seconds + combine_s, moved)
         return y.to(hidden_states.dtype)
+
+    def _alone(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+               top_k_weights: torch.Tensor, timer: BackwardTimer | None,
+               moved: dict[str, Any]) -> torch.Tensor:
+        """A group of one rank, dropless (``expert: 1``): nothing to exchange, so the
+        model's own forward runs as it is, routing weights and all; only counted."""
+        counts = torch.bincount(top_k_index.reshape(-1), minlength=self.dispatcher.num_experts)
+        moved["share"] = self._share(counts)
+        x = timer.point(hidden_states, "compute") if timer is not None else hidden_states
+        start = time.perf_counter()
+        y = super().forward(x, top_k_index, top_k_weights)
+        compute_s = time.perf_counter() - start
+        if timer is not None:
+            y = timer.point(y, None)
+        stats = self.stats
+        if stats is not None and torch.is_grad_enabled():
+            stats.add("expert_compute_s", compute_s)
+            stats.add("compute_s_per_expert", moved["share"] * compute_s)
+            if self.recording:
+                for name in ("assigned", "accepted", "processed"):
+                    stats.add(name, counts)
+                stats.add("forwards", 1)
+        return y
 
     def _local_experts(self, d: Dispatched) -> torch.Tensor:
         """The model's own experts forward on this rank's rows (local ids, unit weights)."""
@@ -110,14 +137,25 @@ class ExpertParallelExperts(nn.Module):
             out = tokens * 0.0 + params * 0.0
         return out
 
+    def _share(self, local_rows: torch.Tensor) -> torch.Tensor:
+        """(E,) fraction of this rank's expert rows computed by each expert (zero for
+        remote experts), from the rows of each local expert: how a grouped GEMM's
+        seconds are apportioned to experts."""
+        first, last = self.dispatcher.local_range()
+        rows = local_rows.detach().to("cpu", torch.float64)
+        share = torch.zeros(self.dispatcher.num_experts, dtype=torch.float64)
+        share[first:last] = rows / max(float(rows.sum()), 1.0)
+        return share
+
     def _record(self, d: Dispatched, top_k_index: torch.Tensor, compute_s: float,
-                exchange_s: float) -> None:
+                exchange_s: float, moved: dict[str, Any]) -> None:
         stats = self.stats
         assert stats is not None
         stats.add("dispatch_bytes", d.bytes_out)
-        stats.add("bytes_per_expert", d.bytes_per_expert())
+        stats.add("bytes_per_expert", moved["per_expert"])
         stats.add("dispatch_s", exchange_s)
         stats.add("expert_compute_s", compute_s)
+        stats.add("compute_s_per_expert", moved["share"] * compute_s)
         if not self.recording:
             return
         assigned = torch.bincount(top_k_index.reshape(-1), minlength=self.dispatcher.num_experts)
@@ -136,6 +174,7 @@ class ExpertParallelExperts(nn.Module):
             return
         if label == "compute":
             stats.add("expert_compute_s", seconds)
+            stats.add("compute_s_per_expert", moved["share"] * seconds)
             return
         stats.add("dispatch_s", seconds)
         if label == "combine":

@@ -9,14 +9,15 @@ is the block's ``gate`` or ``router`` child, whichever the family names it.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from paraxis.batch import AuxLosses
 from paraxis.grid import AxisGroup
-from paraxis_moe.config import MoEConfig, experts_per_token
+from paraxis_moe.config import MoEConfig, aux_coef, experts_per_token
 from paraxis_moe.experts import (
     ExpertParallelExperts,
     UnsupportedMoELayout,
@@ -26,7 +27,7 @@ from paraxis_moe.experts import (
 from paraxis_moe.router import RouterLosses, watch_router
 from paraxis_moe.stats import MoEStats
 
-__all__ = ["ExpertParallel", "find_router", "moe_block_names"]
+__all__ = ["ExpertParallel", "find_blocks", "find_router", "moe_block_names"]
 
 ROUTER_NAMES = ("gate", "router")
 
@@ -43,46 +44,71 @@ def find_router(block: nn.Module, name: str) -> nn.Module:
 
 def moe_block_names(model: nn.Module, patterns: Sequence[str]) -> list[str]:
     """Module names matching the plan's ``experts`` entries (``*`` for a layer index)."""
-    names = [n for n, _ in model.named_modules()
-             if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
-    if not names:
-        raise UnsupportedMoELayout(f"no module of {type(model).__name__} matches the MoE "
-                                   f"blocks {list(patterns)}")
-    return names
+    return [n for n, _ in model.named_modules() if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+
+
+def find_blocks(model: nn.Module, patterns: Sequence[str]) -> list[tuple[str, nn.Module, Any]]:
+    """(name, router, experts) of every MoE block, each checked (nothing is changed);
+    :class:`UnsupportedMoELayout` names the first module paraxis cannot shard."""
+    found = []
+    for name in moe_block_names(model, patterns):
+        block = model.get_submodule(name)
+        experts = getattr(block, "experts", None)
+        check_experts(experts, f"{name}.experts")
+        found.append((name, find_router(block, name), experts))
+    return found
+
+
+def _num_experts(parts: list[tuple[str, nn.Module, Any]], config: Any, where: str) -> int:
+    sizes = {experts.num_experts for _, _, experts in parts}
+    if len(sizes) > 1:
+        raise UnsupportedMoELayout(f"MoE blocks of {where} have different expert counts "
+                                   f"{sorted(sizes)}")
+    if sizes:
+        return sizes.pop()
+    # A pipeline stage without MoE blocks still carries the router counts along.
+    from paraxis.validation import ModelShape
+
+    count = ModelShape.from_hf_config(config).num_experts if config is not None else 0
+    if not count:
+        raise UnsupportedMoELayout(f"{where}: no MoE block and no expert count in its config")
+    return int(count)
 
 
 class ExpertParallel:
-    """Every named MoE block of ``model`` sharded over ``group`` (the expert axis).
+    """Every named MoE block of ``model`` (a module, or the pipeline chunks this rank
+    holds) sharded over ``group`` (the expert axis).
 
     ``token_group`` holds the ranks with distinct tokens (data x expert x context), over
-    which the router losses' counts and the statistics are reduced. Every rank of the
-    grid must build it with the same arguments.
+    which the router losses' counts and the statistics are reduced; ``pipeline`` the
+    pipeline group, over which the statistics of the stages' layers are gathered. With
+    ``allow_empty`` (a pipeline stage) a module without MoE blocks is accepted. Every
+    rank of the grid must build it with the same arguments.
     """
 
-    def __init__(self, model: nn.Module, blocks: Sequence[str], group: AxisGroup, *,
-                 moe: MoEConfig | None = None, token_group: AxisGroup | None = None):
+    def __init__(self, model: nn.Module | Sequence[nn.Module], blocks: Sequence[str],
+                 group: AxisGroup, *, moe: MoEConfig | None = None,
+                 token_group: AxisGroup | None = None, pipeline: AxisGroup | None = None,
+                 allow_empty: bool = False):
         self.moe = moe or MoEConfig()
-        self.group, self.token_group = group, token_group
-        self.names = moe_block_names(model, blocks)
-        parts = []
-        for name in self.names:  # check everything before changing anything
-            block = model.get_submodule(name)
-            experts = getattr(block, "experts", None)
-            check_experts(experts, f"{name}.experts")
-            parts.append((name, find_router(block, name), experts))
-        sizes = {experts.num_experts for _, _, experts in parts}
-        if len(sizes) != 1:
-            raise UnsupportedMoELayout(f"MoE blocks of {type(model).__name__} have different "
-                                       f"expert counts {sorted(sizes)}")
-        self.num_experts = sizes.pop()
-        cfg = getattr(model, "config", None)
-        top_k = getattr(parts[0][1], "top_k", None) or experts_per_token(cfg)
+        self.group, self.token_group, self.pipeline = group, token_group, pipeline
+        self.roots = [model] if isinstance(model, nn.Module) else list(model)
+        cfg = getattr(self.roots[0], "config", None)
+        where = type(self.roots[0]).__name__
+        parts = [p for root in self.roots for p in find_blocks(root, blocks)]
+        if not parts and not allow_empty:
+            raise UnsupportedMoELayout(f"no module of {where} matches the MoE blocks "
+                                       f"{list(blocks)}")
+        self.names = [name for name, _, _ in parts]
+        self.num_experts = _num_experts(parts, cfg, where)
+        top_k = (getattr(parts[0][1], "top_k", None) if parts else None) or \
+            experts_per_token(cfg)
         if not top_k:
-            raise UnsupportedMoELayout(f"{self.names[0]}: cannot find the router's top-k")
+            raise UnsupportedMoELayout(f"{where}: cannot find the router's top-k")
         self.top_k = int(top_k)
         self.stats = MoEStats(self.num_experts, self.names)
         self.losses = RouterLosses(self.num_experts, self.top_k,
-                                   aux_coef=self.moe.aux_coef_for(cfg),
+                                   aux_coef=aux_coef(self.moe, cfg),
                                    z_coef=self.moe.z_loss_coef, group=token_group)
         self.recording = True
         self.experts: dict[str, ExpertParallelExperts] = {}
@@ -100,27 +126,50 @@ class ExpertParallel:
         for experts in self.experts.values():
             experts.recording = on
 
-    def attach(self, root: nn.Module, add: Callable[[str, torch.Tensor], None]) -> None:
-        """After each forward of ``root``, hand the router-loss parts to ``add`` (core's
-        ``AuxLosses.add``); record only between the start and end of that forward."""
+    def set_capacity_groups(self, groups: int) -> None:
+        """Apply capacity to ``groups`` equal runs of each forward's tokens separately:
+        how one process reproduces the drops of ``groups`` ranks holding those runs
+        (:func:`paraxis_moe.capacity.grouped_keep_mask`)."""
+        for experts in self.experts.values():
+            experts.capacity_groups = groups
+
+    def attach(self, aux: AuxLosses) -> None:
+        """Hand each forward's router-loss carry to ``aux`` (core's
+        :class:`paraxis.batch.AuxLosses`, whose carry slot this declares); record
+        routing only between the start and end of a forward of a root module."""
+        slot = aux.declare_carry(self.num_experts + 1, self.losses.finalize)
 
         def start(module: nn.Module, args: Any) -> None:
-            self.set_recording(True)
+            # Training forwards only: evaluation (and the parity probe) is not counted.
+            self.set_recording(torch.is_grad_enabled())
 
         def end(module: nn.Module, args: Any, output: Any) -> None:
-            parts = self.losses.parts()  # collective: every forward, every rank
             self.set_recording(False)
-            if torch.is_grad_enabled():
-                for name, part in parts.items():
-                    add(name, part)
+            if not torch.is_grad_enabled():
+                self.losses.clear()  # evaluation: no loss, nothing carried
+                return
+            found = self.losses.local()
+            if found is not None:
+                aux.carry(slot, *found)
 
-        self._hooks.append(root.register_forward_pre_hook(start))
-        self._hooks.append(root.register_forward_hook(end))
+        for root in self.roots:
+            self._hooks.append(root.register_forward_pre_hook(start))
+            self._hooks.append(root.register_forward_hook(end))
         self.set_recording(False)
 
     def step_metrics(self) -> dict[str, float]:
-        """This step's statistics, reduced over the token group (collective)."""
-        return self.stats.metrics(self.token_group)
+        """This step's statistics, reduced over the token group and gathered over the
+        pipeline (collective). The arrays stay in ``self.stats.last``."""
+        return self.stats.metrics(self.token_group, self.pipeline)
+
+    @property
+    def last_step(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The last step's per-layer arrays (every layer of the model): per expert
+        ``assigned``, ``accepted``, ``dropped``, ``processed``, ``bytes_per_expert``,
+        ``compute_s_per_expert``, ``prob_sum``; ``hist`` (routing probabilities, 10 bins
+        over [0, 1]); per block ``dispatch_bytes``, ``dispatch_s``, ``expert_compute_s``
+        (the busiest rank's), ``entropy_sum``, ``tokens``."""
+        return self.stats.last
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

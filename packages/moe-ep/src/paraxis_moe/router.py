@@ -12,12 +12,19 @@ logits (where transformers' own ``OutputRecorder(<Router>, index=0)`` reads them
 * the router z-loss (ST-MoE, arXiv:2202.08906, eq. 5): the mean over the same rows of
   ``logsumexp(logits)^2``.
 
-Over ranks holding distinct tokens (data x expert x context), the global loss needs
-global ``f`` (no gradient: counts, all-reduced) and global row count, while ``P`` is a
-sum of per-rank parts. Each rank's part is ``coef * E * sum_i f_i * P_i^local`` with
-``P_i^local`` = this rank's probability sums / the global row count: the parts sum to
-the global loss, and each part's gradient is exactly this rank's share of the global
-loss's gradient (``f`` carries none). The z-loss splits the same way.
+Over ranks holding distinct tokens (data x expert x context) and over pipeline stages
+(each holds some layers), the global loss needs global ``f`` (no gradient: counts) and
+the global row count, while ``P`` is a sum of per-rank, per-stage parts. Each forward
+hands core's auxiliary-loss channel a *carry* (:class:`paraxis.batch.AuxLosses`): its
+``E`` assignment counts and row count (float64), summed along the pipeline and then
+all-reduced over the ranks holding distinct tokens (:meth:`RouterLosses.finalize`), and
+a resolver that turns those global numbers into this rank's part
+``coef * E * sum_i f_i * P_i^local`` with ``P_i^local`` = this rank's probability sums /
+the global row count. The parts sum to the global loss, and each part's gradient is
+exactly this rank's share of the global loss's gradient (``f`` carries none). The
+z-loss splits the same way. Non-softmax routers (sigmoid gates, DeepSeek's bias) get
+transformers' loss as it computes it, from the softmax of the logits; DeepSeek's
+bias-update balancing (auxiliary-loss-free) is not done.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ __all__ = ["AUX_LOSS", "Z_LOSS", "RouterLosses", "watch_router"]
 AUX_LOSS = "moe/aux_loss"
 Z_LOSS = "moe/z_loss"
 
+Resolver = Callable[[torch.Tensor], dict[str, torch.Tensor]]
+
 
 class RouterLosses:
     """The router logits of one forward, turned into this rank's loss parts."""
@@ -48,18 +57,22 @@ class RouterLosses:
 
     @property
     def names(self) -> list[str]:
-        return [AUX_LOSS] + ([Z_LOSS] if self.z_coef else [])
+        """Both are always reported (a loss whose coefficient is 0 reports 0)."""
+        return [AUX_LOSS, Z_LOSS]
 
     def record(self, logits: torch.Tensor) -> None:
         self._logits.append(logits.reshape(-1, self.num_experts))
 
-    def parts(self) -> dict[str, torch.Tensor]:
-        """This rank's part of each loss (coefficient applied) for the logits recorded
-        since the last call, which it forgets. Collective over ``group``: one all-reduce
-        of ``E + 1`` numbers."""
+    def clear(self) -> None:
+        self._logits = []
+
+    def local(self) -> tuple[torch.Tensor, Resolver] | None:
+        """This forward's carry contribution (``E`` top-k counts and the row count,
+        float64) and the resolver of its parts, for the logits recorded since the last
+        call, which it forgets; None if none were recorded. No communication."""
         logits, self._logits = self._logits, []
         if not logits:
-            return {}
+            return None
         e = self.num_experts
         counts = torch.zeros(e + 1, dtype=torch.float64, device=logits[0].device)
         prob_sum: torch.Tensor = torch.zeros(e, dtype=torch.float32, device=logits[0].device)
@@ -73,14 +86,31 @@ class RouterLosses:
             prob_sum = prob_sum + probs.float().sum(0)
             if self.z_coef:
                 lse_sq = lse_sq + torch.logsumexp(layer.float(), -1).square().sum()
+
+        def resolve(final: torch.Tensor) -> dict[str, torch.Tensor]:
+            rows = final[e].item()
+            f = (final[:e] / rows).to(prob_sum.dtype)
+            return {AUX_LOSS: self.aux_coef * e * (f * prob_sum).sum() / rows,
+                    Z_LOSS: self.z_coef * lse_sq / rows}
+
+        return counts, resolve
+
+    def finalize(self, total: torch.Tensor) -> torch.Tensor:
+        """Counts summed over stages -> over every rank holding distinct tokens
+        (collective over ``group``: one all-reduce of ``E + 1`` numbers)."""
+        total = total.clone()
         if self.group is not None:
-            all_reduce_(counts, self.group)
-        rows = counts[e].item()
-        f = (counts[:e] / rows).to(prob_sum.dtype)
-        parts = {AUX_LOSS: self.aux_coef * e * (f * prob_sum).sum() / rows}
-        if self.z_coef:
-            parts[Z_LOSS] = self.z_coef * lse_sq / rows
-        return parts
+            all_reduce_(total, self.group)
+        return total
+
+    def parts(self) -> dict[str, torch.Tensor]:
+        """This rank's parts for the logits recorded since the last call, without a
+        pipeline (collective over ``group``); {} if nothing was recorded."""
+        found = self.local()
+        if found is None:
+            return {}
+        counts, resolve = found
+        return resolve(self.finalize(counts))
 
 
 def watch_router(router: torch.nn.Module, *, stats: LayerStats | None,

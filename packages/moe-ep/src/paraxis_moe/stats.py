@@ -1,9 +1,13 @@
 """Per-layer, per-expert statistics of every step, logged rather than averaged away.
 
 For each MoE block and expert: (token, expert) pairs assigned before capacity, accepted,
-dropped, rows computed here, bytes moved for it; for each block: seconds blocked in the
-dispatch/combine all-to-alls and spent in the local experts (forward and backward), and
-the router's probability distribution (mean probability per expert, entropy, histogram).
+dropped, rows computed here, bytes moved for it, and compute seconds; for each block:
+seconds blocked in the dispatch/combine all-to-alls and spent in the local experts
+(forward and backward), and the router's probability distribution (mean probability per
+expert, entropy, histogram). The local experts run as one grouped GEMM per projection,
+so one expert's compute time is not observable alone: it is the block's local compute
+time apportioned by the rows each local expert computed (a grouped GEMM's cost is linear
+in its rows).
 
 Bytes follow core's all-to-all convention (what this rank sends to *other* ranks; rows
 it keeps never touch a link). Forward moves the dispatched rows out and the computed rows
@@ -14,6 +18,7 @@ segment (:func:`probe`); on one autograd thread the segment's own node runs betw
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,8 +31,12 @@ __all__ = ["BackwardTimer", "LayerStats", "MoEStats", "probe"]
 
 HIST_BINS = 10
 # Reduced by sum over the ranks holding distinct tokens; the rest by max.
-_SUMMED = ("assigned", "accepted", "dropped", "processed", "bytes_per_expert", "prob_sum",
-           "hist", "entropy_sum", "tokens", "forwards")
+_SUMMED = ("assigned", "accepted", "dropped", "processed", "bytes_per_expert",
+           "compute_s_per_expert", "prob_sum", "hist", "entropy_sum", "tokens", "forwards")
+# The per-layer, per-expert arrays of a step (``MoEStats.last``, metrics
+# ``moe/<block>/<kind>/<expert>``).
+PER_EXPERT = ("assigned", "accepted", "dropped", "processed", "dispatch_bytes", "compute_s",
+              "prob_mean")
 _MAXED = ("dispatch_bytes", "dispatch_s", "expert_compute_s")
 
 
@@ -80,7 +89,7 @@ class LayerStats:
         self.values = {
             **{k: torch.zeros(e, dtype=torch.float64)
                for k in ("assigned", "accepted", "dropped", "processed", "bytes_per_expert",
-                         "prob_sum")},
+                         "compute_s_per_expert", "prob_sum")},
             "hist": torch.zeros(HIST_BINS, dtype=torch.float64),
             **{k: torch.zeros(1, dtype=torch.float64) for k in
                ("entropy_sum", "tokens", "forwards", *_MAXED)},
@@ -108,6 +117,8 @@ class MoEStats:
     def __init__(self, num_experts: int, names: list[str]):
         self.num_experts = num_experts
         self.layers = {name: LayerStats(num_experts) for name in names}
+        # The last step's reduced values, every layer of the model (all stages).
+        self.last: dict[str, dict[str, torch.Tensor]] = {}
 
     def reset(self) -> None:
         for layer in self.layers.values():
@@ -122,8 +133,12 @@ class MoEStats:
         flats = [torch.cat([self.layers[n].values[k] for n, k, _ in layout])
                  if layout else torch.zeros(0, dtype=torch.float64) for layout in layouts]
         if group is not None and group.size > 1:
-            dist.all_reduce(flats[0], group=group.pg)
-            dist.all_reduce(flats[1], op=dist.ReduceOp.MAX, group=group.pg)
+            # One all-gather, then sum and max here: one collective per step, not two.
+            mine = torch.cat(flats)
+            every = [torch.empty_like(mine) for _ in range(group.size)]
+            dist.all_gather(every, mine, group=group.pg)
+            stacked, n = torch.stack(every), flats[0].numel()
+            flats = [stacked[:, :n].sum(0), stacked[:, n:].amax(0)]
         out: dict[str, dict[str, torch.Tensor]] = {n: {} for n in self.layers}
         for layout, flat in zip(layouts, flats, strict=True):
             for (n, k, _), part in zip(layout, flat.split([size for *_, size in layout]),
@@ -131,11 +146,23 @@ class MoEStats:
                 out[n][k] = part
         return out
 
-    def metrics(self, group: Any = None) -> dict[str, float]:
-        """Step metrics (the same on every rank of ``group``), then reset."""
+    def metrics(self, group: Any = None, pipeline: Any = None) -> dict[str, float]:
+        """Step metrics (the same on every rank of ``group`` and ``pipeline``), then
+        reset. Under a pipeline each stage reduces its own layers over ``group``, then
+        the stages exchange them (one all-gather of objects over ``pipeline``)."""
         reduced = self.reduce(group)
         self.reset()
-        return summarize(reduced)
+        if pipeline is not None and pipeline.size > 1:
+            every: list[Any] = [None] * pipeline.size
+            dist.all_gather_object(every, reduced, group=pipeline.pg)
+            reduced = {n: v for stage in every for n, v in stage.items()}
+        self.last = {n: reduced[n] for n in sorted(reduced, key=_layer_order)}
+        return summarize(self.last)
+
+
+def _layer_order(name: str) -> tuple[Any, ...]:
+    """Numbers in a module name compared as numbers (layers.10 after layers.9)."""
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
 
 
 def summarize(reduced: dict[str, dict[str, torch.Tensor]]) -> dict[str, float]:
@@ -154,6 +181,7 @@ def summarize(reduced: dict[str, dict[str, torch.Tensor]]) -> dict[str, float]:
             for k in ("assigned", "accepted", "dropped", "processed"):
                 out[f"moe/{name}/{k}/{e}"] = float(v[k][e])
             out[f"moe/{name}/dispatch_bytes/{e}"] = float(v["bytes_per_expert"][e])
+            out[f"moe/{name}/compute_s/{e}"] = float(v["compute_s_per_expert"][e])
             out[f"moe/{name}/prob_mean/{e}"] = float(v["prob_sum"][e]) / tokens if tokens else 0.0
         for b in range(v["hist"].numel()):
             out[f"moe/{name}/prob_hist/{b}"] = float(v["hist"][b])

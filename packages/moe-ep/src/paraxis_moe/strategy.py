@@ -1,18 +1,39 @@
 """The expert-parallel strategy: phase PARTITION, after a pipeline split, before data.
 
-Written against core's contract of issue 11 (``ApplyContext.aux_losses``,
-``ApplyContext.step_hooks``, ``ModelPlan.experts``); until that contract lands, applying
-it fails with an error that says so rather than training without the router loss.
+Core applies it to every model whose plan names MoE blocks, at any expert degree (a
+group of one at ``expert: 1``): training always includes the router's load-balancing
+loss (as transformers does with ``output_router_logits=True``), and the routing
+statistics are always logged. It uses core's contracts (docs/architecture.md section 4):
+
+* ``ctx.aux_losses``: declares ``moe/aux_loss`` and ``moe/z_loss`` and a carry slot of
+  ``E + 1`` numbers (the router counts), through which the joint Switch loss keeps
+  exact one-process parity across pipeline stages;
+* ``ctx.step_hooks``: the ``moe/...`` metrics after every optimizer step;
+* ``ctx.skip_verify``: with a capacity factor, drops depend on each rank's token group,
+  which the one-process parity probe cannot reproduce;
+* ``Strategy.check_model``: an MoE layout it cannot shard is refused before any process
+  group, naming the module.
+
+Each pipeline chunk this rank holds is handled (a stage may hold no MoE block). Tensor
+parallelism splits attention and dense MLPs; the experts stay whole on their expert
+rank (paraxis-hf leaves the fused experts out of the tensor plan), and the tensor ranks
+of one expert rank dispatch the same tokens over their own expert group.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
+from paraxis.errors import Problem
 from paraxis.grid import DENSE_REPLICA_AXES
+from paraxis.plan import ModelPlan
+from paraxis.stages import chunks_of
 from paraxis.strategy import ApplyContext, Phase, Strategy
-from paraxis_moe.config import MoEConfig
-from paraxis_moe.layer import ExpertParallel
+from paraxis_moe.config import moe_config
+from paraxis_moe.experts import UnsupportedMoELayout
+from paraxis_moe.layer import ExpertParallel, find_blocks
 
 __all__ = ["ExpertParallelStrategy"]
 
@@ -21,22 +42,40 @@ class ExpertParallelStrategy(Strategy):
     axis = "expert"
     phase = Phase.PARTITION
 
+    @classmethod
+    def check_model(cls, model: nn.Module, config: Any, plan: object | None) -> list[Problem]:
+        """Every MoE block the plan names must have fused experts paraxis can shard and a
+        router it can find, and its expert count must split over the expert degree."""
+        patterns = getattr(plan, "experts", ()) or ()
+        degree = config.parallelism.expert
+        try:
+            blocks = find_blocks(model, patterns)
+        except UnsupportedMoELayout as exc:
+            return [Problem("model", type(model).__name__, str(exc),
+                            "use a transformers version whose MoE blocks hold fused "
+                            "experts (5.x), or a model paraxis-moe-ep supports")]
+        return [Problem(f"model.{name}.experts.num_experts", experts.num_experts,
+                        f"must be divisible by the expert degree {degree}",
+                        "choose parallelism.expert dividing the expert count")
+                for name, _, experts in blocks if experts.num_experts % degree][:1]
+
     def apply(self, model: nn.Module, ctx: ApplyContext) -> nn.Module:
-        missing = [f for f in ("aux_losses", "step_hooks") if not hasattr(ctx, f)]
-        if missing:
-            raise RuntimeError(f"expert parallelism needs ApplyContext.{' and .'.join(missing)} "
-                               "from paraxis core (issue 11); upgrade paraxis")
         plan = ctx.plan
-        if plan is None:
+        if not isinstance(plan, ModelPlan) or not plan.experts:
             raise RuntimeError("expert parallelism needs a model plan naming the MoE blocks "
                                "(paraxis-hf supplies one for transformers models)")
-        plan.require("expert")  # type: ignore[attr-defined]
-        ep = ExpertParallel(model, plan.experts,  # type: ignore[attr-defined]
-                            ctx.grid.group("expert"), moe=MoEConfig.of(ctx.config),
-                            token_group=ctx.grid.group(DENSE_REPLICA_AXES))
+        moe = moe_config(ctx.config)
+        ep = ExpertParallel(chunks_of(model), plan.experts, ctx.grid.group("expert"), moe=moe,
+                            token_group=ctx.grid.group(DENSE_REPLICA_AXES),
+                            pipeline=ctx.grid.group("pipeline") if ctx.pipeline else None,
+                            allow_empty=ctx.pipeline is not None)
         for name in ep.losses.names:
-            ctx.aux_losses.declare(name)  # type: ignore[attr-defined]
-        ep.attach(model, ctx.aux_losses.add)  # type: ignore[attr-defined]
-        ctx.step_hooks.append(ep.step_metrics)  # type: ignore[attr-defined]
+            ctx.aux_losses.declare(name)
+        ep.attach(ctx.aux_losses)
+        ctx.step_hooks.append(ep.step_metrics)
+        if moe.capacity_factor is not None:
+            ctx.skip_verify = (f"moe.capacity_factor={moe.capacity_factor}: each rank drops "
+                               "pairs of its own token group, which one process on the "
+                               "whole probe batch does not")
         ctx.extras["expert"] = ep
         return model

@@ -7,12 +7,18 @@ there. Tags encode (kind, microbatch, stage), so messages never match the wrong 
 Activations of a microbatch are dropped as soon as its backward (or, for a split
 backward, its weight gradient) has run. Each action's compute time is recorded for the
 measured timeline.
+
+Auxiliary-loss carries (:class:`paraxis.batch.AuxLosses`): when a strategy declared one,
+each forward sends, beside the hidden states, the sum of the stages' contributions so
+far (float64); the last stage finalizes it and sends the result back beside the
+gradient, so each stage resolves its exact auxiliary parts before its backward.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,6 +27,7 @@ from torch import nn
 
 from paraxis.batch import Batch
 from paraxis.grid import AxisGroup
+from paraxis.liveness import guard
 from paraxis.strategy import ApplyContext
 from paraxis_pp.schedules import Action, Schedule
 from paraxis_pp.simulate import Timeline
@@ -35,11 +42,31 @@ except ImportError:  # pragma: no cover - older torch: W re-walks the graph inst
 
 __all__ = ["PipelineRunner"]
 
-KINDS = {"F": 0, "B": 1}
+# Hidden states forward, gradients backward, and the auxiliary carry both ways.
+KINDS = {"F": 0, "B": 1, "CF": 2, "CB": 3}
 
 
 def _tag(kind: str, mb: int, stage: int) -> int:
-    return (mb * 2 + KINDS[kind]) * 1024 + stage
+    return (mb * len(KINDS) + KINDS[kind]) * 1024 + stage
+
+
+@dataclass
+class _Step:
+    """One step's state on this rank, keyed by (microbatch, chunk)."""
+
+    microbatches: list[Batch]
+    loss_fn: Callable
+    scale: Any
+    train: bool
+    aux_scale: float
+    carrying: bool  # an auxiliary carry travels with activations and gradients
+    total: torch.Tensor
+    inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    outputs: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    grads: dict[tuple[int, int], Any] = field(default_factory=dict)
+    # (what this stage carried, the carry sum so far or the finalized numbers)
+    carries: dict[tuple[int, int], tuple[Any, torch.Tensor]] = field(default_factory=dict)
+    sends: list[Any] = field(default_factory=list)
 
 
 class PipelineRunner:
@@ -65,7 +92,8 @@ class PipelineRunner:
         return self.group.ranks[self.schedule.place(stage)[0]]
 
     def _send(self, t: torch.Tensor, stage: int, kind: str, mb: int, src_stage: int) -> Any:
-        t = t.to(torch.float32).contiguous()  # the wire is fp32 whatever autocast made
+        # The wire is fp32 whatever autocast made; carries stay float64.
+        t = (t if kind.startswith("C") else t.to(torch.float32)).contiguous()
         op = dist.P2POp(dist.isend, t, self._peer(stage), self.group.pg,
                         _tag(kind, mb, src_stage))
         self.group.stats.add(self.group.axes, "send", t.numel() * t.element_size())
@@ -73,11 +101,13 @@ class PipelineRunner:
 
     def _recv(self, shape: tuple[int, ...], stage: int, kind: str, mb: int,
               src_stage: int) -> torch.Tensor:
-        buf = torch.empty(shape, device=self.device)
+        dtype = torch.float64 if kind.startswith("C") else torch.float32
+        buf = torch.empty(shape, device=self.device, dtype=dtype)
         op = dist.P2POp(dist.irecv, buf, self._peer(stage), self.group.pg,
                         _tag(kind, mb, src_stage))
-        for work in dist.batch_isend_irecv([op]):
-            work.wait()  # mostly waiting for the other stage's compute: the bubble
+        with guard(self.group, "recv"):  # a dead neighbour is named, not waited for
+            for work in dist.batch_isend_irecv([op]):
+                work.wait()  # mostly waiting for the other stage's compute: the bubble
         return buf
 
     def _hidden_shape(self, mb: Batch) -> tuple[int, int, int]:
@@ -95,53 +125,98 @@ class PipelineRunner:
                              f"microbatches, got {len(microbatches)}")
         actions = s.actions[self.rank] if train else tuple(
             Action("F", i, c) for c in range(s.chunks) for i in range(len(microbatches)))
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        inputs: dict[tuple[int, int], torch.Tensor] = {}
-        outputs: dict[tuple[int, int], list[torch.Tensor]] = {}
-        grads: dict[tuple[int, int], Any] = {}
-        sends: list[Any] = []
+        st = _Step(microbatches, loss_fn, scale, train, aux_scale,
+                   carrying=train and self.ctx.aux_losses.carry_size > 0,
+                   total=torch.zeros((), dtype=torch.float64, device=self.device))
         self.timeline = []
         with torch.set_grad_enabled(train):
             for a in actions:
-                stage = s.stage(self.rank, a.chunk)
-                key = (a.mb, a.chunk)
-                mb = microbatches[a.mb]
                 if a.kind == "F":
-                    x = mb.input_ids if stage == 0 else self._recv(
-                        self._hidden_shape(mb), stage - 1, "F", a.mb, stage - 1)
-                    if stage > 0 and train:
-                        x.requires_grad_(True)
-                    start = time.perf_counter()
-                    out = self.chunks[a.chunk](x, **mb.model_kwargs(), **self.forward_kwargs)
-                    aux = self.ctx.aux_losses.objective(out.new_zeros(()), aux_scale)
-                    if stage == s.stages - 1:
-                        loss_sum, _ = loss_fn(out, mb.targets)
-                        total += loss_sum.detach().double()
-                        out = loss_sum * scale.to(loss_sum.dtype) + aux if train else out
-                    self._record(a, start)
-                    if stage < s.stages - 1:
-                        sends += self._send(out.detach(), stage + 1, "F", a.mb, stage)
-                    if train:
-                        inputs[key] = x
-                        outputs[key] = [out] if stage == s.stages - 1 else [out, aux]
-                    continue
-                outs = outputs[key]
-                if a.kind == "B":
-                    grad = None if stage == s.stages - 1 else self._recv(
-                        outs[0].shape, stage + 1, "B", a.mb, stage + 1)
-                    start = time.perf_counter()
-                    x_grad = self._backward(key, outs, grad, inputs, outputs, grads, stage)
-                    self._record(a, start)
-                    if stage > 0:
-                        sends += self._send(x_grad, stage - 1, "B", a.mb, stage)
+                    self._forward_action(a, st)
+                elif a.kind == "B":
+                    self._backward_action(a, st)
                 else:  # W: weight gradients of a split backward
                     start = time.perf_counter()
-                    self._weight_grads(key, outs, grads.pop(key))
+                    key = (a.mb, a.chunk)
+                    self._weight_grads(key, st.outputs[key], st.grads.pop(key))
                     self._record(a, start)
-                    inputs.pop(key), outputs.pop(key)
-        for work in sends:
-            work.wait()
-        return total
+                    st.inputs.pop(key), st.outputs.pop(key)
+        with guard(self.group, "send"):
+            for work in st.sends:
+                work.wait()
+        return st.total
+
+    def _forward_action(self, a: Action, st: _Step) -> None:
+        s, mb = self.schedule, st.microbatches[a.mb]
+        stage, key = s.stage(self.rank, a.chunk), (a.mb, a.chunk)
+        x = mb.input_ids if stage == 0 else self._recv(
+            self._hidden_shape(mb), stage - 1, "F", a.mb, stage - 1)
+        if stage > 0 and st.train:
+            x.requires_grad_(True)
+        start = time.perf_counter()
+        out = self.chunks[a.chunk](x, **mb.model_kwargs(), **self.forward_kwargs)
+        aux = self._forward_aux(key, stage, st)
+        if stage == s.stages - 1:
+            loss_sum, _ = st.loss_fn(out, mb.targets)
+            st.total += loss_sum.detach().double()
+            out = loss_sum * st.scale.to(loss_sum.dtype) + aux if st.train else out
+        self._record(a, start)
+        if stage < s.stages - 1:
+            st.sends += self._send(out.detach(), stage + 1, "F", a.mb, stage)
+            if st.carrying:
+                st.sends += self._send(st.carries[key][1], stage + 1, "CF", a.mb, stage)
+        if st.train:
+            st.inputs[key] = x
+            st.outputs[key] = [out] if stage == s.stages - 1 else [out, aux]
+
+    def _backward_action(self, a: Action, st: _Step) -> None:
+        stage, key = self.schedule.stage(self.rank, a.chunk), (a.mb, a.chunk)
+        outs = st.outputs[key]
+        last = stage == self.schedule.stages - 1
+        grad = None if last else self._recv(outs[0].shape, stage + 1, "B", a.mb, stage + 1)
+        if st.carrying and not last:
+            outs += self._backward_aux(key, stage, st)
+        start = time.perf_counter()
+        x_grad = self._backward(key, outs, grad, st, stage)
+        self._record(a, start)
+        if stage > 0:
+            st.sends += self._send(x_grad, stage - 1, "B", a.mb, stage)
+        if st.carrying:
+            final = st.carries.pop(key)[1]
+            if stage > 0:
+                st.sends += self._send(final, stage - 1, "CB", a.mb, stage)
+
+    def _forward_aux(self, key: tuple[int, int], stage: int, st: _Step) -> torch.Tensor:
+        """This forward's auxiliary objective (parts known now, times ``aux_scale``).
+        With a carry: add this stage's contribution to the received sum; the last stage
+        finalizes it and resolves its own parts now, the others keep their resolvers
+        (``st.carries[key]`` = (carried, the sum so far)) for their backward."""
+        aux = self.ctx.aux_losses
+        parts = aux.pop()
+        if st.carrying:
+            carried = aux.pop_carried(self.device)
+            total = carried.contribution
+            if stage > 0:
+                total = total + self._recv((aux.carry_size,), stage - 1, "CF", key[0],
+                                           stage - 1)
+            if stage == self.schedule.stages - 1:
+                total = aux.finalize(total)
+                for name, part in aux.resolve(carried, total).items():
+                    parts[name] = parts[name] + part if name in parts else part
+            st.carries[key] = (carried, total)
+        zero = torch.zeros((), device=self.device)
+        weighted = aux.weighted(parts, st.aux_scale)
+        return zero if weighted is None else weighted + zero
+
+    def _backward_aux(self, key: tuple[int, int], stage: int, st: _Step) -> list[torch.Tensor]:
+        """Before a stage's backward: its carried parts, resolved with the finalized
+        numbers that came back beside the gradient (the last stage resolved at F)."""
+        aux = self.ctx.aux_losses
+        carried, _ = st.carries[key]
+        final = self._recv((aux.carry_size,), stage + 1, "CB", key[0], stage + 1)
+        st.carries[key] = (carried, final)
+        weighted = aux.weighted(aux.resolve(carried, final), st.aux_scale)
+        return [] if weighted is None else [weighted]
 
     @staticmethod
     def _grad_list(outs: list[torch.Tensor], grad: torch.Tensor | None) -> list[Any]:
@@ -150,8 +225,8 @@ class PipelineRunner:
         return [grad, *(torch.ones_like(o) for o in outs[1:])]
 
     def _backward(self, key: tuple[int, int], outs: list[torch.Tensor],
-                  grad: torch.Tensor | None, inputs: dict, outputs: dict, grads: dict,
-                  stage: int) -> torch.Tensor | None:
+                  grad: torch.Tensor | None, st: _Step, stage: int) -> torch.Tensor | None:
+        inputs, outputs, grads = st.inputs, st.outputs, st.grads
         x = inputs[key]
         live = [(o, g) for o, g in zip(outs, self._grad_list(outs, grad), strict=True)
                 if o.requires_grad]

@@ -2,6 +2,7 @@
 by ring (zigzag-balanced) or by DeepSpeed-Ulysses all-to-all."""
 
 from paraxis_seq.ring import ring_attention
+from paraxis_seq.rules import check_context, check_module
 from paraxis_seq.strategy import ContextParallelStrategy, SequenceSplit
 from paraxis_seq.ulysses import kv_replication, sdpa_attention, ulysses_attention
 from paraxis_seq.zigzag import LAYOUTS, positions, shard, shard_order, unshard
@@ -10,6 +11,8 @@ __all__ = [
     "LAYOUTS",
     "ContextParallelStrategy",
     "SequenceSplit",
+    "check_context",
+    "check_module",
     "kv_replication",
     "positions",
     "ring_attention",

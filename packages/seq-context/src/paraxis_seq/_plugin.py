@@ -18,13 +18,8 @@ def paraxis_register_strategies(register: Callable[[type[Strategy]], None]) -> N
 
 @hookimpl
 def paraxis_validate_config(config: Any, model: Any, problems: list[Any]) -> None:
-    """Zigzag sharding cuts the sequence into 2 x context chunks."""
-    from paraxis.errors import Problem
+    """Sequence divisible into 2 x context zigzag chunks; in Ulysses mode heads divisible
+    by tensor x context (:mod:`paraxis_seq.rules`)."""
+    from paraxis_seq.rules import check_context
 
-    context = config.parallelism.context
-    seq = getattr(model, "seq_length", None)
-    if context > 1 and seq is not None and seq % (2 * context):
-        problems.append(Problem("model.seq_length", seq,
-                                f"must divide into 2 x context = {2 * context} equal chunks "
-                                "(zigzag sharding balances causal attention over context "
-                                "ranks)", f"use a multiple of {2 * context}"))
+    problems.extend(check_context(config, model))

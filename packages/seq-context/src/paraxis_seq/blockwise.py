@@ -8,9 +8,13 @@ blocks meet through their log-sum-exp, and adding those in bf16 would lose the v
 bits the merge is for (Milakov & Gimelshein, arXiv:1805.02867, the online softmax;
 flash-attention 2, Dao, arXiv:2307.08691, for the backward below).
 
-The kernel is a manual one, because PyTorch's SDPA returns no log-sum-exp on CPU; a
-fused kernel (flash-attention's ``_flash_attn_forward`` returns ``softmax_lse``) can
-replace :func:`block_forward` / :func:`block_backward` on GPU without touching the ring.
+Two kernels. On CPU, a block without a mask or with the causal triangle runs PyTorch's
+fused flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu``, which returns
+the log-sum-exp the public SDPA hides, and its backward, which takes the *final* output
+and log-sum-exp as flash-attention 2's does); elsewhere (other masks such as sliding
+windows, other devices) a manual kernel materializes the block's scores. On GPU the
+manual kernel runs unchanged; flash-attention's ``_flash_attn_forward`` (which returns
+``softmax_lse``) can replace it there without touching the ring.
 
 Which part of a key block a query block may see is a plan computed from true global
 positions (:func:`plan_block`): causal, optionally a sliding window, and skipped
@@ -62,6 +66,8 @@ class Block:
     rows: slice
     cols: slice
     mask: torch.Tensor | None
+    # The mask is the square lower triangle (a fused kernel's is_causal=True).
+    causal: bool = False
 
     @property
     def area(self) -> int:
@@ -90,7 +96,11 @@ def plan_block(q_pos: torch.Tensor, k_pos: torch.Tensor, *, causal: bool,
     r0, r1 = int(rows[0]), int(rows[-1]) + 1
     c0, c1 = int(cols[0]), int(cols[-1]) + 1
     sub = mask[r0:r1, c0:c1]
-    return Block(slice(r0, r1), slice(c0, c1), None if bool(sub.all()) else sub.clone())
+    if bool(sub.all()):
+        return Block(slice(r0, r1), slice(c0, c1), None)
+    tri = sub.shape[0] == sub.shape[1] and torch.equal(
+        sub, torch.ones_like(sub).tril())
+    return Block(slice(r0, r1), slice(c0, c1), sub.clone(), causal=tri)
 
 
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -119,27 +129,53 @@ def _probs(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | 
     return torch.exp(scores - finite.unsqueeze(-1)), lse
 
 
+def _fused(q: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> bool:
+    """Whether PyTorch's fused CPU flash kernel computes this block (it needs one head
+    size for q, k and v: MLA's smaller value heads take the manual kernel)."""
+    return (q.device.type == "cpu" and (mask is None or causal) and q.shape[-1] == v.shape[-1]
+            and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"))
+
+
+def _heads_first(*ts: torch.Tensor) -> list[torch.Tensor]:
+    return [t.transpose(1, 2) for t in ts]  # (b, s, h, d) -> (b, h, s, d), a view
+
+
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
-                  mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  mask: torch.Tensor | None = None, causal: bool = False,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q kᵀ · scale) v for one block: ``(out, lse)``, out ``(b, sq, h, dv)``.
 
+    ``causal``: ``mask`` is the square lower triangle (the fused kernel's is_causal).
     ``k`` and ``v`` may have fewer heads than ``q`` (GQA); they are repeated here."""
     groups = q.shape[2] // k.shape[2]
-    p, lse = _probs(q, _repeat_kv(k, groups), scale, mask, None)
-    return torch.einsum("bhqk,bkhd->bqhd", p, _repeat_kv(v, groups)), lse
+    kr, vr = _repeat_kv(k, groups), _repeat_kv(v, groups)
+    if _fused(q, v, mask, causal):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            *_heads_first(q, kr, vr), 0.0, mask is not None, scale=scale)
+        return out.transpose(1, 2), lse
+    p, lse = _probs(q, kr, scale, mask, None)
+    return torch.einsum("bhqk,bkhd->bqhd", p, vr), lse
 
 
 def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    lse: torch.Tensor, delta: torch.Tensor, *, scale: float,
-                   mask: torch.Tensor | None = None,
+                   mask: torch.Tensor | None = None, causal: bool = False,
+                   out: torch.Tensor | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block given the *final* ``lse`` of the rows and
     ``delta = rowsum(dout ∘ out)`` (b, h, sq) of the final output (flash-attention 2,
     algorithm 2): P = exp(S - lse), dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP - delta),
     dQ = dS K · scale, dK = dSᵀ Q · scale. Returns ``(dq, dk, dv)``; dk and dv have
-    k's (fewer, under GQA) heads."""
+    k's (fewer, under GQA) heads. With the final ``out`` of the rows (b, sq, h, dv) the
+    fused CPU kernel does the same (it forms delta from ``out`` itself)."""
     groups = q.shape[2] // k.shape[2]
     kr, vr = _repeat_kv(k, groups), _repeat_kv(v, groups)
+    if out is not None and _fused(q, v, mask, causal):
+        dq, dk, dv = (g.transpose(1, 2) for g in
+                      torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                          *_heads_first(dout, q, kr, vr, out), lse.contiguous(), 0.0,
+                          mask is not None, scale=scale))
+        return dq, _fold_kv(dk, groups), _fold_kv(dv, groups)
     p, _ = _probs(q, kr, scale, mask, lse)
     dv = torch.einsum("bhqk,bqhd->bkhd", p, dout)
     dp = torch.einsum("bqhd,bkhd->bhqk", dout, vr)

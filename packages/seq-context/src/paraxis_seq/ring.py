@@ -116,7 +116,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any,
             kb, vb = _unpack(kv, k.shape, v.shape)
             mask = None if blk.mask is None else blk.mask.to(q.device)
             o, lse_b = block_forward(qc[:, blk.rows], kb[:, blk.cols].to(cd),
-                                     vb[:, blk.cols].to(cd), scale=scale, mask=mask)
+                                     vb[:, blk.cols].to(cd), scale=scale, mask=mask,
+                                     causal=blk.causal)
             out[:, blk.rows], lse[:, :, blk.rows] = merge(out[:, blk.rows],
                                                           lse[:, :, blk.rows], o, lse_b)
         if handle is not None:
@@ -127,7 +128,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any,
 def _block_grads(blk: Block | None, kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  saved: tuple, dq: torch.Tensor, scale: float) -> torch.Tensor:
     """This rank's dK/dV (packed, compute dtype) for the block it holds; adds into dq."""
-    qc, do, lse, delta = saved
+    qc, do, out, lse, delta = saved
     dk = torch.zeros(k.shape, dtype=qc.dtype, device=qc.device)
     dv = torch.zeros(v.shape, dtype=qc.dtype, device=qc.device)
     if blk is not None:
@@ -136,7 +137,7 @@ def _block_grads(blk: Block | None, kv: torch.Tensor, k: torch.Tensor, v: torch.
         mask = None if blk.mask is None else blk.mask.to(qc.device)
         dq_b, dk[:, c], dv[:, c] = block_backward(
             do[:, r], qc[:, r], kb[:, c].to(qc.dtype), vb[:, c].to(qc.dtype), lse[:, :, r],
-            delta[:, :, r], scale=scale, mask=mask)
+            delta[:, :, r], scale=scale, mask=mask, causal=blk.causal, out=out[:, r])
         dq[:, r] += dq_b
     return _pack(dk, dv)
 
@@ -148,7 +149,7 @@ def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     n, rank, cd = group.size, group.rank, compute_dtype(q.dtype)
     qc, do = q.to(cd), dout.to(cd)
     delta = (do * out).sum(-1).transpose(1, 2)  # rowsum(dO ∘ O), (b, h, s)
-    saved, dq = (qc, do, lse, delta), torch.zeros_like(qc)
+    saved, dq = (qc, do, out, lse, delta), torch.zeros_like(qc)
     ring, kv = _Ring(group), _pack(k, v)
     grad_size = k.numel() + v.numel()
     own, sends = None, []

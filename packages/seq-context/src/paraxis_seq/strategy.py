@@ -1,35 +1,60 @@
 """The ``context`` strategy (phase PARTITION): the sequence of every step is split over
 the context ranks, and every attention of the model attends over the whole of it.
 
-Written against core's coming contract (``ApplyContext.batch_transforms``, a list of
-``Batch -> Batch`` callables applied per step before microbatching; ``Batch`` holds
-``input_ids``, ``targets`` already shifted by one, and ``position_ids``). Applying it:
+Core's contracts (docs/architecture.md section 4): :class:`paraxis.batch.Batch` holds
+``input_ids``, ``targets`` already shifted once and ``position_ids``;
+``ctx.batch_transforms`` run per step before microbatching; the engine counts tokens
+after them and passes ``position_ids`` to the model (and the pipeline runner to every
+stage). Applying the strategy:
 
-1. selects context-parallel attention for the model through transformers' attention
-   interface (:func:`paraxis_seq.hf_attention.use_context_attention`; a model it cannot
-   intercept is refused with the reason), and turns the KV cache off;
+1. selects context-parallel attention for the model (each pipeline chunk) through
+   transformers' attention interface (:func:`paraxis_seq.hf_attention.use_context_attention`;
+   a model it cannot intercept was refused before any process group, see
+   :mod:`paraxis_seq.rules`), and turns the KV cache off;
 2. appends :class:`SequenceSplit`, which cuts ids, targets and position ids into this
-   rank's zigzag shard, so the model sees true positions (rotary) and the loss each
-   rank computes is its part of the global one. Targets were shifted before the cut,
-   so no label is lost where the cut falls.
+   rank's shard (zigzag for ring attention, contiguous for Ulysses; see
+   :mod:`paraxis_seq.rules`), so the model sees true positions (rotary) and the loss each rank
+   sums is its part of the global one. Targets were shifted before the cut, so no label
+   is lost where the cut falls.
 
-Gradients of dense parameters are then partial per context rank and are summed by the
-data strategy over ``data x expert x context`` (core's DENSE_REPLICA_AXES).
+Composition: the engine sums each rank's loss over its local tokens and divides by the
+global token count (all-reduced over ``data x expert x context``), and the data
+strategy averages dense gradients over the same group (core's ``DENSE_REPLICA_AXES``),
+times the replica count: exactly the one-process token mean. Heads are split by tensor
+first: the tensor axis shards the q/k/v projections (both axes apply in PARTITION, in
+either order), so the attention function receives this tensor rank's heads and Ulysses
+splits those again over context; under sequence parallelism the tensor axis cuts this
+rank's shard again and gathers it back at each block's input, so attention sees the
+whole shard. A pipeline stage
+receives ``(b, s/C / activation_sequence_shards, h)`` hidden states: the runner takes
+the sequence length after this transform.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
 
+from paraxis.batch import Batch
+from paraxis.config import ParallelConfig
+from paraxis.errors import Problem
+from paraxis.stages import chunks_of
 from paraxis.strategy import ApplyContext, Phase, Strategy
-from paraxis_seq.hf_attention import MODES, use_context_attention
-from paraxis_seq.zigzag import shard
+from paraxis_seq.hf_attention import use_context_attention
+from paraxis_seq.rules import LAYOUT_OF_MODE
+from paraxis_seq.zigzag import check_layout, shard
 
-__all__ = ["ContextParallelStrategy", "SequenceSplit"]
+__all__ = ["PADDING_REFUSED", "ContextParallelStrategy", "SequenceSplit"]
+
+PADDING_REFUSED = (
+    "context parallelism got a padding mask (attention_mask with zeros): the ring and "
+    "Ulysses kernels mask by global position only, and a padding mask over the whole "
+    "sequence cannot follow the shards, so it would be ignored. Pack the rows (packed "
+    "pretraining has no padding), or pad on the right, mark the padded labels -100 and "
+    "drop attention_mask (exact under a causal mask), or run without the context axis")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +66,11 @@ class SequenceSplit:
     rank: int
     layout: str = "zigzag"
 
-    def __call__(self, batch: Any) -> Any:
+    def __call__(self, batch: Batch) -> Batch:
+        if batch.padding_mask is not None:
+            raise ValueError(PADDING_REFUSED)
         ids = batch.input_ids
+        check_layout(ids.shape[1], self.size, self.layout)
         expect = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
         pos = batch.position_ids
         if pos is None:
@@ -60,23 +88,39 @@ class SequenceSplit:
 
 
 class ContextParallelStrategy(Strategy):
-    """Ring attention (default) or Ulysses over the grid's ``context`` group, zigzag
-    sharding. ``mode`` comes from ``config.parallelism.context_mode`` once core has
-    that field; until then it is this class attribute."""
+    """Ring attention (``parallelism.context_mode: ring``, the default; zigzag shards)
+    or Ulysses (``ulysses``; contiguous shards) over the grid's ``context`` group."""
 
     axis = "context"
     phase = Phase.PARTITION
-    mode: ClassVar[str] = "ring"
-    layout: ClassVar[str] = "zigzag"
+
+    @classmethod
+    def check_model(cls, model: nn.Module, config: ParallelConfig,
+                    plan: object | None) -> list[Problem]:
+        """Attention paraxis cannot intercept (named), or an attention implementation it
+        would silently replace (:func:`paraxis_seq.rules.check_module`)."""
+        from paraxis_seq.rules import check_module
+
+        return check_module(config, model)
 
     def apply(self, model: nn.Module, ctx: ApplyContext) -> nn.Module:
         group = ctx.grid.group("context")
-        mode = getattr(ctx.config.parallelism, "context_mode", self.mode)
-        if mode not in MODES:
-            raise ValueError(f"parallelism.context_mode must be one of {MODES}, not {mode!r}")
-        name = use_context_attention(model, group, mode=mode, layout=self.layout)
-        model.config.use_cache = False  # a cache would hold one shard's keys
-        ctx.batch_transforms.append(SequenceSplit(group.size, group.rank, self.layout))
-        ctx.extras["context"] = {"mode": mode, "layout": self.layout,
-                                 "attn_implementation": name}
+        mode = ctx.config.parallelism.context_mode
+        layout = LAYOUT_OF_MODE[mode]
+        names: list[str] = []
+        for chunk in chunks_of(model):  # each pipeline chunk is a model of its own
+            names.append(use_context_attention(chunk, group, mode=mode, layout=layout))
+            chunk.config.use_cache = False  # a cache would hold one shard's keys
+        ctx.batch_transforms.append(SequenceSplit(group.size, group.rank, layout))
+        ctx.extras["context"] = _Applied(mode, layout, names[0], group)
         return model
+
+
+@dataclasses.dataclass(frozen=True)
+class _Applied:
+    """What the strategy did, for tests, benchmarks and metrics (``ctx.extras``)."""
+
+    mode: str
+    layout: str
+    attn_implementation: str
+    group: Any

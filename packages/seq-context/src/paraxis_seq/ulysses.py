@@ -20,7 +20,9 @@ Two facts the exchange must respect:
 * **Sequence order.** The all-to-all stacks what arrives in rank order, so with zigzag
   shards the gathered sequence is permuted (rank 0's chunks 0 and 2C-1 first). A causal
   kernel needs true order: the permutation is undone before attention and re-applied
-  after (:func:`paraxis_seq.zigzag.shard_order`).
+  after (:func:`paraxis_seq.zigzag.shard_order`). The ``context`` strategy shards
+  contiguously in Ulysses mode (each rank attends over the whole sequence for its
+  heads, so zigzag buys no balance), which needs no permutation at all.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from datetime import timedelta
 from typing import Any
 
 from paraxis.launch import free_port
+from paraxis.liveness import STALE_AFTER_S
 
 __all__ = ["DistributedWorld", "RankFailure", "free_port", "run_distributed"]
 
@@ -119,8 +120,9 @@ class DistributedWorld:
         failures: dict[int, str] = {}
         deadline = time.monotonic() + timeout
         while len(results) + len(failures) < self.world_size:
-            if failures:  # the others may sit in a collective: give them a moment, no more
-                deadline = min(deadline, time.monotonic() + 5.0)
+            if failures:  # the others may sit in a collective: give them time to name
+                # the dead peer (a heartbeat goes stale in STALE_AFTER_S), no more
+                deadline = min(deadline, time.monotonic() + STALE_AFTER_S + 6.0)
             try:
                 rank, ok, payload = self._outbox.get(timeout=0.2)
             except queue.Empty:

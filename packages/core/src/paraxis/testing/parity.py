@@ -35,17 +35,10 @@ def assemble(per_rank: list[dict[str, tuple[torch.Tensor, Placement]]]) -> dict[
 
 
 def _place(target: torch.Tensor, local: torch.Tensor, rec: Placement) -> None:
-    views = [(target, local)]
-    for s in rec.shards:
-        nxt = []
-        for tgt, loc in views:
-            loc = loc.narrow(s.dim, 0, s.length * s.parts)
-            blocks_t = tgt.chunk(s.parts, dim=s.dim)
-            blocks_l = loc.chunk(s.parts, dim=s.dim)
-            for bt, bl in zip(blocks_t, blocks_l, strict=True):
-                nxt.append((bt.narrow(s.dim, s.offset, s.length), bl))
-        views = nxt
-    for tgt, loc in views:
+    """Write ``local``'s real rows where its placement puts them (nested shards, packed
+    blocks and padding included: :meth:`paraxis.placement.Placement.pieces`)."""
+    for piece in rec.pieces():
+        tgt, loc = target[piece.where], local[piece.local]
         seen = ~torch.isnan(tgt)
         assert torch.equal(tgt[seen], loc[seen]), f"{rec.name}: replicas disagree"
         tgt.copy_(loc)

@@ -1,0 +1,230 @@
+"""ZeRO stages 1 and 2: the model stays whole, the optimizer state (stage 1) and the
+gradients (stage 2) are sharded (Rajbhandari et al., arXiv:1910.02054, sections 5.1-5.2).
+
+Each parameter ZeRO shards gets a padded storage of ``n`` whole chunks along dim 0; the
+model parameter is its first ``rows`` rows and this rank's *shard* is a view of chunk
+``rank``: an fp32 Parameter with its own placement that the optimizer steps in place,
+so the master weights are the model's own (no copy, 4 bytes per parameter in fp32).
+
+Gradients travel in core's buckets (:func:`paraxis.buckets.assign_buckets`), in a
+fixed bucket order, launched from post-accumulate-grad hooks as backward produces them:
+each full bucket is copied rank-major (:class:`~paraxis_zero.layout.ShardLayout`),
+divided by ``n`` and reduce-scattered asynchronously, so every rank receives the
+average of its own chunk only: half an all-reduce, 2Ψ(n-1)/n with the all-gather that
+follows the step (the paper's volume for stages 1 and 2).
+
+* Stage 1 keeps the whole gradient (4Ψ bytes, padded like the parameter); the reduced
+  chunk is written back into its own rows, and the shard's gradient is a view of them.
+* Stage 2 copies a gradient into its bucket's send buffer in the hook and frees it; the
+  bucket's receive buffer is the shards' gradients (4Ψ/n).
+
+Under ``no_sync`` (non-final microbatches) gradients accumulate whole, locally, as DDP
+and FSDP2 do. After the optimizer step the updated shards are all-gathered into the
+model (:meth:`after_step`, called by :class:`~paraxis_zero.optimizer.ZeroAdamW`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from paraxis.buckets import assign_buckets, token_replicas
+from paraxis.collectives import Pending, all_gather_into, reduce_scatter_into
+from paraxis.grid import Grid
+from paraxis.placement import placement_of, set_placement
+from paraxis.strategy import SyncOrder
+from paraxis_zero.layout import ShardLayout
+from paraxis_zero.whole import WHOLE_BELOW, WholeReducer, keep_whole
+
+__all__ = ["ShardedOptimizerSync"]
+
+
+@dataclass(eq=False)
+class _Bucket:
+    layout: ShardLayout
+    storage: list[torch.Tensor]  # padded parameter storages (n x chunk rows)
+    shards: list[nn.Parameter]
+    grads: list[torch.Tensor] | None  # stage 1: padded whole-gradient storages
+    recv: torch.Tensor  # stage 2: the shards' gradients; stage 1: a staging buffer
+    send: torch.Tensor | None = None
+    ready: set[int] = field(default_factory=set)
+    work: Pending | None = None
+
+
+def _padded(t: torch.Tensor, numel: int) -> torch.Tensor:
+    """A zeroed flat storage of ``numel`` elements whose first elements are ``t``'s."""
+    out = torch.zeros(numel, dtype=t.dtype, device=t.device)
+    out[:t.numel()].copy_(t.reshape(-1))
+    return out
+
+
+class ShardedOptimizerSync:
+    """Gradient synchronizer and shard owner for ZeRO stage 1 or 2 (``SyncOrder.DATA``)."""
+
+    order = SyncOrder.DATA
+
+    def __init__(self, module: nn.Module, *, grid: Grid, stage: int, bucket_bytes: int,
+                 whole_below: int = WHOLE_BELOW):
+        if stage not in (1, 2):
+            raise ValueError(f"ShardedOptimizerSync does ZeRO stages 1 and 2, not {stage}")
+        self.grid, self.stage, self._sync = grid, stage, True
+        params = [p for p in module.parameters() if p.requires_grad]
+        whole = [p for p in params if keep_whole(p, grid, whole_below)]
+        sharded = [p for p in params if not keep_whole(p, grid, whole_below)]
+        self.whole = WholeReducer(whole, grid, bucket_bytes)
+        self.whole_params = whole
+        self.buckets = [self._bucket(ShardLayout.build(g, ps, token_replicas(grid)))
+                        for g, ps in assign_buckets(sharded, grid, bucket_bytes)]
+        self._where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.layout.params)}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._where]
+        self._next = 0
+
+    @torch.no_grad()
+    def _bucket(self, layout: ShardLayout) -> _Bucket:
+        storage, shards, grads = [], [], []
+        for i, p in enumerate(layout.params):
+            padded = _padded(p.data, layout.padded_numel(i))
+            p.data = padded[:p.numel()].view_as(p)
+            own = padded.view(layout.group.size, -1)[layout.group.rank].view(
+                layout.shard_shape(i))
+            shard = nn.Parameter(own, requires_grad=True)
+            set_placement(shard, layout.placement(i, placement_of(p)))
+            storage.append(padded)
+            shards.append(shard)
+            if self.stage == 1:  # the whole gradient, padded so the shard's is a view
+                grads.append(torch.zeros_like(padded))
+                p.grad = grads[-1][:p.numel()].view_as(p)
+        recv = torch.zeros(layout.per_rank, dtype=layout.params[0].dtype,
+                           device=layout.params[0].device)
+        return _Bucket(layout, storage, shards, grads if self.stage == 1 else None, recv)
+
+    # ---- what the optimizer steps ----------------------------------------------------
+
+    def optimizer_params(self) -> list[nn.Parameter]:
+        return [s for b in self.buckets for s in b.shards] + self.whole_params
+
+    # ---- backward --------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        previous, self._sync = self._sync, False
+        self.whole.sync = False
+        try:
+            yield
+        finally:
+            self._sync = self.whole.sync = previous
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        if not self._sync:
+            return
+        bucket, i = self._where[param]
+        self._take(bucket, i)
+        while self._next < len(self.buckets) and \
+                len(self.buckets[self._next].ready) == len(self.buckets[self._next].shards):
+            self._launch(self.buckets[self._next])
+
+    @torch.no_grad()
+    def _take(self, bucket: _Bucket, i: int) -> None:
+        """Parameter ``i``'s gradient is final for this step: stage 1 keeps it in its
+        padded storage; stage 2 moves it into the send buffer and frees it."""
+        p, layout = bucket.layout.params[i], bucket.layout
+        if bucket.grads is not None:
+            view = bucket.grads[i][:p.numel()].view_as(p)
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():  # accumulation replaced it
+                view.copy_(p.grad)
+            p.grad = view
+        else:
+            if bucket.send is None:
+                bucket.send = torch.empty(layout.group.size * layout.per_rank, dtype=p.dtype,
+                                          device=p.device)
+            layout.to_rank_major(bucket.send, i, p.grad)
+            p.grad = None
+        bucket.ready.add(i)
+
+    @torch.no_grad()
+    def _launch(self, bucket: _Bucket) -> None:
+        layout, n = bucket.layout, bucket.layout.group.size
+        if bucket.grads is not None:  # stage 1: the whole gradients are already padded
+            bucket.send = torch.empty(n * layout.per_rank, dtype=bucket.recv.dtype,
+                                      device=bucket.recv.device)
+            for i, g in enumerate(bucket.grads):
+                layout.slot(bucket.send, i).copy_(g.view(n, -1))
+        assert bucket.send is not None
+        bucket.send.div_(layout.divisor)  # pre-divided (paraxis.buckets.token_replicas)
+        bucket.work = reduce_scatter_into(bucket.recv, bucket.send, layout.group, async_op=True)
+        self._next += 1
+
+    def finish(self) -> float:
+        """Launch buckets not yet started (parameters without a gradient reduce as
+        zeros, or as what no_sync accumulated), wait for all, and hand each shard its
+        reduced gradient; then the whole parameters'. Returns seconds blocked."""
+        for bucket in self.buckets[self._next:]:
+            for i in range(len(bucket.shards)):
+                if i not in bucket.ready:
+                    self._take(bucket, i)
+            self._launch(bucket)
+        start = time.perf_counter()
+        for bucket in self.buckets:
+            assert bucket.work is not None
+            bucket.work.wait()
+            bucket.work, bucket.send = None, None
+            bucket.ready.clear()
+            self._hand_out(bucket)
+        self._next = 0
+        return time.perf_counter() - start + self.whole.finish()
+
+    @torch.no_grad()
+    def _hand_out(self, bucket: _Bucket) -> None:
+        layout, rank = bucket.layout, bucket.layout.group.rank
+        for i, shard in enumerate(bucket.shards):
+            if bucket.grads is None:
+                shard.grad = layout.own(bucket.recv, i)
+            else:
+                own = bucket.grads[i].view(layout.group.size, -1)[rank].view_as(shard)
+                own.copy_(layout.own(bucket.recv, i))
+                shard.grad = own
+
+    # ---- after the step ----------------------------------------------------------------
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """All-gather the updated shards into the model's parameters, bucket by bucket,
+        the next gather in flight while one is copied out."""
+        pending: list[tuple[_Bucket, torch.Tensor, Any]] = []
+        for bucket in self.buckets:
+            layout = bucket.layout
+            mine = torch.cat([s.detach().reshape(-1) for s in bucket.shards])
+            gathered = torch.empty(layout.group.size * layout.per_rank, dtype=mine.dtype,
+                                   device=mine.device)
+            pending.append((bucket, gathered,
+                            all_gather_into(gathered, mine, layout.group, async_op=True)))
+            if len(pending) > 1:
+                self._copy_out(*pending.pop(0))
+        for item in pending:
+            self._copy_out(*item)
+
+    @staticmethod
+    def _copy_out(bucket: _Bucket, gathered: torch.Tensor, work: Any) -> None:
+        work.wait()
+        for i, storage in enumerate(bucket.storage):
+            bucket.layout.from_rank_major(gathered, i, storage)
+
+    def zero_grad(self) -> None:
+        """Stage 1 keeps its whole gradients' storage: zero it for the next step."""
+        for bucket in self.buckets:
+            for g in bucket.grads or ():
+                g.zero_()
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self.whole.remove_hooks()

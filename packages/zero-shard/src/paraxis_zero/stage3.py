@@ -1,0 +1,198 @@
+"""ZeRO stage 3: parameters, gradients and optimizer state sharded (Rajbhandari et al.,
+arXiv:1910.02054, section 5.3), unit by unit, with prefetch in both directions.
+
+Units (:func:`~paraxis_zero.units.find_units`): the embedding, each layer, the head, in
+forward order, and a root unit for sharded parameters two units share. Hooks on each
+unit's module, in the spirit of FSDP2 (Zhao et al., arXiv:2304.11277):
+
+* forward pre-hook: gather the unit (wait for its prefetch) and start the next unit's
+  all-gather, so it overlaps this unit's compute;
+* forward post-hook: reshard (free the full parameters) and register a hook on the
+  outputs' gradients (``register_multi_grad_hook``) that gathers the unit again just
+  before its backward and starts the previous unit's all-gather;
+* post-accumulate-grad hooks: when every parameter of the unit has its gradient, copy
+  them rank-major, free them, reshard, and reduce-scatter in a fixed unit order (the
+  reverse of forward), asynchronously, so ranks never disagree on the next collective.
+
+Recomputation (activation checkpointing) runs a layer's forward again inside its
+backward, after the gradient hook has gathered it: it re-gathers by construction. The
+root unit is gathered for the whole forward and backward. Under ``no_sync`` gradients
+accumulate whole (as FSDP2 without gradient sync); the final microbatch reduces them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten
+
+from paraxis.buckets import token_replicas
+from paraxis.grid import Grid
+from paraxis.placement import placement_of
+from paraxis.plan import ModelPlan
+from paraxis.stages import chunks_of
+from paraxis.strategy import SyncOrder
+from paraxis_zero.layout import ShardLayout
+from paraxis_zero.sharded_unit import ShardedUnit
+from paraxis_zero.units import find_units
+from paraxis_zero.whole import WHOLE_BELOW, WholeReducer, keep_whole
+
+__all__ = ["ShardedParameters"]
+
+
+def _layouts(params: list[nn.Parameter], grid: Grid) -> list[ShardLayout]:
+    """One layout per (sync group, dtype) among ``params``, in first-seen order."""
+    by_key: dict[tuple[Any, ...], list[nn.Parameter]] = {}
+    for p in params:
+        by_key.setdefault((placement_of(p).grad_sync_axes, p.dtype), []).append(p)
+    return [ShardLayout.build(grid.group(axes), ps, token_replicas(grid))
+            for (axes, _), ps in by_key.items()]
+
+
+class ShardedParameters:
+    """Gradient synchronizer and shard owner for ZeRO stage 3 (``SyncOrder.DATA``)."""
+
+    order = SyncOrder.DATA
+
+    def __init__(self, model: nn.Module, *, grid: Grid, plan: ModelPlan | None,
+                 bucket_bytes: int, whole_below: int = WHOLE_BELOW, prefetch: bool = True):
+        self.grid, self.prefetch, self._sync = grid, prefetch, True
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.whole_params = [p for p in params if keep_whole(p, grid, whole_below)]
+        self.whole = WholeReducer(self.whole_params, grid, bucket_bytes)
+        sharded = [p for p in params if not keep_whole(p, grid, whole_below)]
+        self.units: list[ShardedUnit] = []  # forward order; the roots first
+        self.roots: dict[int, ShardedUnit | None] = {}
+        self._handles: list[Any] = []
+        left = {id(p) for p in sharded}
+        for chunk in chunks_of(model):  # chunks share no parameter but a tied one
+            mine = [p for p in chunk.parameters() if id(p) in left]
+            left -= {id(p) for p in mine}
+            specs, rest = find_units(chunk, plan, mine)
+            root = ShardedUnit("root", chunk, _layouts(rest, grid),
+                               reshard_after_forward=False) if rest else None
+            self.roots[id(chunk)] = root
+            units = [ShardedUnit(s.name, s.module, _layouts(s.params, grid)) for s in specs]
+            self._hook_root(chunk, root, units[0] if units else None)
+            for unit in units:
+                self._hook(unit)
+            self.units += ([root] if root else []) + units
+        self._backward_order = list(reversed(self.units))
+        self._unit_of = {p: u for u in self.units for p in u.params}
+        self._handles += [p.register_post_accumulate_grad_hook(self._on_grad)
+                          for p in self._unit_of]
+        self._next = 0  # next unit (backward order) whose reduce-scatter may start
+
+    def optimizer_params(self) -> list[nn.Parameter]:
+        return [p for u in self.units for p in u.params] + self.whole_params
+
+    # ---- forward ----------------------------------------------------------------------
+
+    def _neighbour(self, unit: ShardedUnit, step: int) -> ShardedUnit | None:
+        i = self.units.index(unit) + step
+        return self.units[i] if 0 <= i < len(self.units) and self.prefetch else None
+
+    def _hook_root(self, chunk: nn.Module, root: ShardedUnit | None,
+                   first: ShardedUnit | None) -> None:
+        def pre(module: nn.Module, args: Any) -> None:
+            if root is not None:
+                root.gather()
+            if first is not None and self.prefetch:
+                first.start_gather()
+
+        def post(module: nn.Module, args: Any, output: Any) -> None:
+            if root is not None and not torch.is_grad_enabled():
+                root.reshard()
+
+        self._handles += [chunk.register_forward_pre_hook(pre, prepend=True),
+                          chunk.register_forward_hook(post)]
+
+    def _hook(self, unit: ShardedUnit) -> None:
+        def pre(module: nn.Module, args: Any) -> None:
+            unit.gather()
+            nxt = self._neighbour(unit, 1)
+            if nxt is not None:
+                nxt.start_gather()
+
+        def post(module: nn.Module, args: Any, output: Any) -> None:
+            if torch.is_grad_enabled():
+                tensors = [t for t in tree_flatten(output)[0]
+                           if isinstance(t, torch.Tensor) and t.requires_grad]
+                if tensors:
+                    register_multi_grad_hook(tensors, lambda _: self._pre_backward(unit),
+                                             mode="any")
+            if unit.reshard_after_forward or not torch.is_grad_enabled():
+                unit.reshard()
+
+        self._handles += [unit.module.register_forward_pre_hook(pre, prepend=True),
+                          unit.module.register_forward_hook(post)]
+
+    # ---- backward ---------------------------------------------------------------------
+
+    def _pre_backward(self, unit: ShardedUnit) -> None:
+        unit.gather()
+        prev = self._neighbour(unit, -1)
+        if prev is not None and prev.name != "root":
+            prev.start_gather()
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        unit = self._unit_of[param]
+        unit.ready.add(id(param))
+        if len(unit.ready) < len(unit.params):
+            return
+        unit.ready.clear()
+        if self._sync:
+            unit.prepare_reduce()
+            self._launch_ready()
+        unit.reshard()
+
+    def _launch_ready(self) -> None:
+        order = self._backward_order
+        while self._next < len(order) and order[self._next].prepared:
+            order[self._next].launch_reduce()
+            self._next += 1
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        previous, self._sync = self._sync, False
+        self.whole.sync = False
+        try:
+            yield
+        finally:
+            self._sync = self.whole.sync = previous
+
+    def finish(self) -> float:
+        """Reduce what backward did not (parameters without a gradient as zeros, or what
+        no_sync accumulated), wait for every reduce-scatter, reshard every unit and
+        give each shard its gradient; then the whole parameters'."""
+        for unit in self._backward_order[self._next:]:
+            if not unit.prepared:
+                unit.prepare_reduce()
+            unit.launch_reduce()
+        self._next = 0
+        start = time.perf_counter()
+        for unit in self._backward_order:
+            unit.ready.clear()
+            unit.reshard()
+            unit.wait_reduce()
+        return time.perf_counter() - start + self.whole.finish()
+
+    # ---- the optimizer's callbacks ------------------------------------------------------
+
+    def after_step(self) -> None:
+        """Nothing: the optimizer stepped the shards the parameters hold."""
+
+    def zero_grad(self) -> None:
+        """Nothing: the shards' gradients are views the next reduce-scatter rewrites."""
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.whole.remove_hooks()

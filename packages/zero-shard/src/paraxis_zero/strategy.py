@@ -1,0 +1,71 @@
+"""The ZeRO strategy: phase DATA, in place of replicated data parallelism when
+``parallelism.zero`` is 1, 2 or 3.
+
+It applies last, once every other axis has fixed parameter shapes and placements, so it
+shards what tensor parallelism left on this rank (the tensor-local pieces) and, under a
+pipeline, the stage's own parameters. It broadcasts parameters and buffers from each
+replica group's first rank (as DDP does), then shards: stages 1 and 2 through
+:class:`~paraxis_zero.stage12.ShardedOptimizerSync`, stage 3 through
+:class:`~paraxis_zero.stage3.ShardedParameters`. Its optimizer
+(:class:`~paraxis_zero.optimizer.ZeroAdamW`) steps this rank's shards.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paraxis.buckets import MiB
+from paraxis.grid import DENSE_REPLICA_AXES, Grid
+from paraxis.placement import placement_of
+from paraxis.plan import ModelPlan
+from paraxis.strategy import ApplyContext, Phase, Strategy
+from paraxis_zero.optimizer import ZeroAdamW
+from paraxis_zero.stage3 import ShardedParameters
+from paraxis_zero.stage12 import ShardedOptimizerSync
+
+__all__ = ["ZeroStrategy", "broadcast_from_first_replica"]
+
+
+@torch.no_grad()
+def broadcast_from_first_replica(model: nn.Module, grid: Grid) -> None:
+    """Every replica starts from the same weights: each parameter from the first rank of
+    its gradient-sync group, buffers over the dense replica group."""
+    for p in model.parameters():
+        group = grid.group(placement_of(p).grad_sync_axes)
+        if group.size > 1:
+            dist.broadcast(p.data, src=group.first, group=group.pg)
+    dense = grid.group(DENSE_REPLICA_AXES)
+    if dense.size > 1:
+        for b in model.buffers():
+            dist.broadcast(b, src=dense.first, group=dense.pg)
+
+
+class ZeroStrategy(Strategy):
+    axis = "zero"
+    phase = Phase.DATA
+
+    def apply(self, model: nn.Module, ctx: ApplyContext) -> nn.Module:
+        par = ctx.config.parallelism
+        broadcast_from_first_replica(model, ctx.grid)
+        bucket_bytes = int(par.bucket_mb * MiB)
+        self.sync: ShardedOptimizerSync | ShardedParameters
+        if par.zero == 3:
+            plan = ctx.plan if isinstance(ctx.plan, ModelPlan) else None
+            self.sync = ShardedParameters(model, grid=ctx.grid, plan=plan,
+                                          bucket_bytes=bucket_bytes)
+        else:
+            self.sync = ShardedOptimizerSync(model, grid=ctx.grid, stage=par.zero,
+                                             bucket_bytes=bucket_bytes)
+        ctx.grad_syncs.append(self.sync)
+        ctx.extras["zero"] = self.sync
+        return model
+
+    def build_optimizer(self, model: nn.Module, ctx: ApplyContext,
+                        train: Any) -> torch.optim.Optimizer:
+        return ZeroAdamW(self.sync.optimizer_params(), grid=ctx.grid, owner=self.sync,
+                         lr=train.lr, weight_decay=train.weight_decay,
+                         betas=tuple(train.betas))
