@@ -84,3 +84,17 @@ def test_denominators_count_shipped_plans_and_built_types():
     again = rows_from_json(rows_to_json(rows))
     assert [r.cells for r in again] == [r.cells for r in rows]
     assert OWN_LOSS not in c
+
+
+def test_a_model_with_experts_is_compared_with_one_process_running_the_same_microbatches():
+    # The router's load-balancing loss is per forward: a pipeline's 2 microbatches train
+    # what one process accumulating the same 2 microbatches trains, not one forward.
+    from paraxis_hf.coverage.runner import Prepared, _reference_for
+
+    pipeline = next(c for c in CHECKS if c.name == "pipeline=2")
+    data = next(c for c in CHECKS if c.name == "data=2")
+    assert (pipeline.microbatches, data.microbatches) == (2, 1)
+    moe = Prepared(Family("m", "X", overrides={}, plans=("expert",)), {"losses": [1.0]}, 0.0,
+                   {2: {"losses": [2.0]}})
+    assert _reference_for(moe, pipeline) == {"losses": [2.0]}
+    assert _reference_for(moe, data) == {"losses": [1.0]}

@@ -73,16 +73,32 @@ class Prepared:
     family: Family
     reference: dict[str, Any] | None
     seconds: float
+    # microbatches -> the one-process run with that gradient accumulation
+    accumulated: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
 
-def prepare(family: Family, worlds: Any, *, timeout: float = CHECK_TIMEOUT) -> Prepared:
-    """The reference on the world of one: own loss, then the per-step history."""
+def prepare(family: Family, worlds: Any, *, timeout: float = CHECK_TIMEOUT,
+            checks: Iterable[Check] = ()) -> Prepared:
+    """The references on the world of one: own loss, then the per-step history; for a
+    model with experts, also one per microbatch count a check runs (its router loss is
+    per forward)."""
     start = time.perf_counter()
-    ref = None
+    ref, accumulated = None, {}
     if family.built:
         ref = _run(worlds, 1, reference_run, family.model_type, family.overrides,
                    timeout=timeout)[0]
-    return Prepared(family, ref, time.perf_counter() - start)
+        counts = {c.microbatches for c in checks} - {1} if "expert" in family.plans else ()
+        for mb in sorted(counts):
+            accumulated[mb] = _run(worlds, 1, reference_run, family.model_type,
+                                   family.overrides, mb, timeout=timeout)[0]
+    return Prepared(family, ref, time.perf_counter() - start, accumulated)
+
+
+def _reference_for(prepared: Prepared, check: Check) -> dict[str, Any]:
+    """The reference ``check`` is compared with: the one-process run, or, for a model
+    with experts under a check that runs microbatches, one process running the same
+    microbatches (its router loss is per forward; see ``checks.reference_run``)."""
+    return prepared.accumulated.get(check.microbatches, prepared.reference or {})
 
 
 def run_checks(prepared: Prepared, checks: Iterable[Check], worlds: Any, *,
@@ -104,13 +120,14 @@ def run_checks(prepared: Prepared, checks: Iterable[Check], worlds: Any, *,
         if refusal is not None:
             row.cells[check.name] = refusal
             continue
-        if "losses" not in ref:
+        want = _reference_for(prepared, check)
+        if "losses" not in want:
             row.cells[check.name] = Outcome("fail", "one process cannot train it: "
-                                            + (ref.get("error") or ref.get("refused", "")))
+                                            + (want.get("error") or want.get("refused", "")))
             continue
         results = _run(worlds, check.world, parallel_run, family.model_type,
                        family.overrides, check.kwargs, timeout=timeout)
-        cell = compare(ref, results)
+        cell = compare(want, results)
         row.cells[check.name] = dataclasses.replace(cell, seconds=time.perf_counter() - began)
         if _maybe_out_of_step(results):
             worlds.restart(check.world)
@@ -121,8 +138,9 @@ def run_checks(prepared: Prepared, checks: Iterable[Check], worlds: Any, *,
 def run_family(family: Family, checks: Iterable[Check], worlds: Any, *,
                timeout: float = CHECK_TIMEOUT) -> Row:
     """One row: the reference on one rank, then each check (see the module docstring)."""
-    return run_checks(prepare(family, worlds, timeout=timeout), checks, worlds,
-                      timeout=timeout)
+    checks = list(checks)
+    return run_checks(prepare(family, worlds, timeout=timeout, checks=checks), checks,
+                      worlds, timeout=timeout)
 
 
 def run_matrix(types: dict[str, str], checks: list[Check], worlds: Any, *,
@@ -140,7 +158,8 @@ def run_matrix(types: dict[str, str], checks: list[Check], worlds: Any, *,
 
     def ahead(model_type: str, class_name: str) -> Prepared:
         settle()
-        return prepare(build_family(model_type, class_name), worlds, timeout=timeout)
+        return prepare(build_family(model_type, class_name), worlds, timeout=timeout,
+                       checks=checks)
 
     rows, future = [], None
     with ThreadPoolExecutor(max_workers=1) as pool:
