@@ -14,6 +14,10 @@ time with the axes in use and the difference, before a single step. Every rank r
 the same verdict (both numbers are reduced over the grid), so the refusal never leaves a
 rank waiting.
 
+A parallel model that cannot run the probe batch at all (a tensor the model passes to
+every layer beside the hidden states, left whole where sequence parallelism split the
+hidden states) is refused the same way, with the error it raised.
+
 An axis whose parallel arithmetic is legitimately not the one-process model's (expert
 capacity that drops tokens per expert group) sets ``ctx.skip_verify`` to its reason.
 """
@@ -87,7 +91,15 @@ class Probe:
         index, count = engine.grid.sample_shard()
         per = self.ids.shape[0] // count
         mine = self.ids[index * per:(index + 1) * per]
-        got = engine.probe_loss(mine)
+        try:
+            got = engine.probe_loss(mine)
+        except Exception as exc:  # every rank meets a layout's shape error alike
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise PlanError(
+                f"{engine.plan.model_class}: with {axes} the parallel model cannot run the "
+                f"probe batch ({type(exc).__name__}: {first}); this layout does not fit "
+                "the model's forward, so it is refused; please report the model and the "
+                "degrees") from exc
         if _differ(got, self.loss):
             self._refuse(engine, axes, "loss", got, self.loss)
         norm = engine.probe_grad_norm(mine)
