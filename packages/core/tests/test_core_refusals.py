@@ -139,6 +139,42 @@ def test_the_parity_probe_refuses_a_layout_with_the_right_loss_and_wrong_gradien
         assert "This layout would train something else" in message
 
 
+class Misshapen(Strategy):
+    """A partition strategy after which the model's forward cannot run at all, as a
+    tensor left whole beside split hidden states makes it."""
+
+    axis = "tensor"
+    phase = Phase.PARTITION
+
+    def apply(self, model, ctx):
+        model.layers[0].mlp.down.register_forward_hook(lambda m, args, out: out[..., :1, :-1])
+        return model
+
+
+class MisshapenPlugin:
+    @hookimpl
+    def paraxis_register_strategies(self, register):
+        register(Misshapen)
+
+
+def misshapen_run():
+    torch.manual_seed(0)
+    pm = make_plugin_manager(load_entrypoints=False, plugins=(MisshapenPlugin(),))
+    plan = ModelPlan("TinyTransformer", tensor={"layers.*.mlp.up": "colwise"})
+    try:
+        paraxis.parallelize(TinyTransformer(CFG), tensor=dist.get_world_size(), plan=plan,
+                            plugin_manager=pm, train={"seq_length": CFG.seq_length})
+    except PlanError as exc:
+        return str(exc)
+    return None
+
+
+def test_the_parity_probe_refuses_a_layout_whose_model_cannot_run(worlds):
+    for message in worlds.run(2, misshapen_run):
+        assert message and "cannot run the probe batch (RuntimeError" in message, message
+        assert "with tensor 2" in message
+
+
 def unchecked_run():
     torch.manual_seed(0)
     pm = make_plugin_manager(load_entrypoints=False, plugins=(MiswiredPlugin(),))
