@@ -101,8 +101,9 @@ def bench(session: nox.Session) -> None:
 @nox.session
 def coverage(session: nox.Session) -> None:
     """Every causal-LM model type of transformers through every installed axis, against
-    one process; rewrites docs/coverage.md (about 20 minutes on 2 cores). Arguments go
-    to ``python -m paraxis_hf.coverage`` (``--only llama gemma2``, ``--json rows.json``)."""
+    one process; rewrites docs/coverage.md (about 10 minutes on a shared 2-core
+    machine). Arguments go to ``python -m paraxis_hf.coverage`` (``--only llama gemma2``,
+    ``--json rows.json``)."""
     install_all(session)
     session.install(TRANSFORMERS)
     session.run("python", "-m", "paraxis_hf.coverage", *session.posargs, env=TEST_ENV)
