@@ -38,3 +38,10 @@ def paraxis_stage_calls(model: Any, plan: Any) -> Any:
     from paraxis_hf.stage import HFStageCalls
 
     return HFStageCalls(getattr(model, "base_model_prefix", "model"))
+
+
+@hookimpl
+def paraxis_load_pretrained(directory: str, config: dict[str, Any]) -> Any:
+    from paraxis_hf.pretrained import from_pretrained
+
+    return from_pretrained(directory, **config)

@@ -66,6 +66,15 @@ def paraxis_build_model(family: str, config: dict[str, Any]) -> Any:
     """
 
 
+@hookspec(firstresult=True)
+def paraxis_load_pretrained(directory: str, config: dict[str, Any]) -> Any:
+    """A model of the weights saved in ``directory`` (``model.pretrained``), its config
+    fields overridden by ``config``, or None. paraxis-hf answers for ``save_pretrained``
+    directories, building on the meta device so that ``parallelize`` reads each rank's
+    slices only (``paraxis.strategy.MATERIALIZE_ATTR``). firstresult.
+    """
+
+
 @hookspec
 def paraxis_log_start(config: Any, grid: dict[str, Any]) -> None:
     """A run starts: ``config`` is the :class:`paraxis.run_config.RunConfig`, ``grid``
