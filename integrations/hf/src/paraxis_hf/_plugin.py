@@ -45,3 +45,10 @@ def paraxis_load_pretrained(directory: str, config: dict[str, Any]) -> Any:
     from paraxis_hf.pretrained import from_pretrained
 
     return from_pretrained(directory, **config)
+
+
+@hookimpl
+def paraxis_checkpoint_commands(verbs: Any) -> None:
+    from paraxis_hf.export import add_export_command
+
+    add_export_command(verbs)
