@@ -37,6 +37,9 @@ ROWS = {
     "zero3data2-tensor2": ("llama", {"data": 2, "zero": 3}, {"tensor": 2}),
     "expert2-expert1xdata2": ("mixtral", {"expert": 2}, {"data": 2}),
     "context2-data2": ("llama", {"context": 2}, {"data": 2}),
+    # Sequence parallel on -> off, no ZeRO -> ZeRO-1.
+    "tensor2sp-zero1data2": ("llama", {"tensor": 2, "sequence_parallel": True},
+                             {"data": 2, "zero": 1}),
     # Reverses.
     "pipeline2-data2xtensor2": ("llama", PP, {"data": 2, "tensor": 2}),
     "data2-context2": ("llama", {"data": 2}, {"context": 2}),
