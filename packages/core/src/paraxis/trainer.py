@@ -184,6 +184,7 @@ def train(cfg: RunConfig, history: list[dict[str, float]] | None = None) -> dict
             if every and engine.step % every == 0 and not last:
                 _save(engine, cfg)
     _save(engine, cfg)
+    engine.wait_for_checkpoint()  # an async save is on disk before the run reports it
     signals.uninstall()
     if engine.stop_agreed and logging:
         command = os.environ.get("PARAXIS_COMMAND", "the same command")
