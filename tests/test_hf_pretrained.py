@@ -2,10 +2,11 @@
 model on the meta device and each rank reads only its slices of a sharded
 ``save_pretrained`` directory.
 
-Parity: tensor 2 and pipeline 2 x tensor 2 (a vocabulary of 127, padded to 128)
-started from the directory train with the same per-step losses as one process started
-from ``AutoModelForCausalLM.from_pretrained`` on the same directory (shared tolerance);
-so does ``model.pretrained: DIR`` in a run config. Memory: with a vocabulary large enough
+Parity: tensor 2, pipeline 2 x tensor 2 (a vocabulary of 127, padded to 128) and
+ZeRO-3 on data 2 (the weights arrive before ZeRO shards them) started from the
+directory train with the same per-step losses as one process started from
+``AutoModelForCausalLM.from_pretrained`` on the same directory (shared tolerance); so
+does ``model.pretrained: DIR`` in a run config. Memory: with a vocabulary large enough
 to dominate the model, each rank's peak anonymous resident memory while it builds the
 model and ``parallelize`` lays it out (RssAnon sampled by a thread, minus its size
 before) is measured against the whole model's bytes: a rank of a two-way split must stay
@@ -65,12 +66,13 @@ def test_sharded_directory_has_an_index(tmp_path):
 
 
 @pytest.mark.parametrize("options", [{"tensor": 2}, {"pipeline": 2, "tensor": 2,
-                                                      "microbatches": 2}],
-                         ids=["tensor2", "pipeline2xtensor2"])
+                                                      "microbatches": 2},
+                                      {"data": 2, "zero": 3}],
+                         ids=["tensor2", "pipeline2xtensor2", "zero3data2"])
 def test_parallel_run_from_pretrained_equals_one_process(worlds, tmp_path, options):
     save_debug_llama(tmp_path, vocab_size=127)  # tensor 2 pads it to 128
     want = worlds.run(1, train_from, str(tmp_path), {}, False)[0]
-    size = options.get("pipeline", 1) * options.get("tensor", 1)
+    size = options.get("pipeline", 1) * options.get("tensor", 1) * options.get("data", 1)
     for losses in worlds.run(size, train_from, str(tmp_path), options, True):
         assert_losses_close(losses, want)
 
