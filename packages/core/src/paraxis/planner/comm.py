@@ -133,7 +133,8 @@ def _tensor_stage(counts: ModelCounts, layout: ParallelConfig, work: Workload, r
     layer, and at the ends of the model the vocabulary-parallel layers: the embedding's
     all-reduce (reduce-scatter + all-gather under SP) of b·s·h, the head's input
     all-reduced in backward (+ its all-gather forward under SP), the cross-entropy's
-    max and (target logit, sum of exp) all-reduces over b·s fp32 values; under SP the
+    max and (target logit, sum of exp) all-reduces over b·s fp32 values; under SP a
+    stage after the first all-gathers the sequence-split input it received, and the
     norms' partial weight gradients are all-reduced once per step."""
     par, sched = layout.parallelism, layout.schedule
     t, m, el, sp = par.tensor, sched.microbatches, work.element_size, par.sequence_parallel
@@ -145,6 +146,8 @@ def _tensor_stage(counts: ModelCounts, layout: ParallelConfig, work: Workload, r
     first, last = rank == 0, rank == par.pipeline - 1
     if first:
         per_mb += 2 * sbh * ring
+    elif sp:  # a later stage gathers the sequence-split activations it received
+        per_mb += sbh * ring
     if last:
         per_mb += (3 if sp else 2) * sbh * ring + 3 * 2 * tokens * 4 * ring
     once = 0.0
