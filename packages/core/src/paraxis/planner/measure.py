@@ -43,12 +43,16 @@ class _Held:
 
 
 class SavedActivations:
-    """``with SavedActivations(exclude=model.parameters()) as saved: loss = model(x)``;
+    """``with SavedActivations(parameters_of=model) as saved: loss = model(x)``;
     then ``saved.bytes`` is the activation memory of that forward (unique storages) and
     ``saved.peak`` the most bytes held at once."""
 
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
+    def __init__(self, exclude: Iterable[torch.Tensor] = (),
+                 parameters_of: torch.nn.Module | None = None):
         self._excluded = {_key(p) for p in exclude}
+        # Checked at each save: a parameter whose storage changes during the step (ZeRO-3
+        # gathers a layer's weights into a full buffer) is still not an activation.
+        self._module = parameters_of
         self.storages: dict[tuple[str, int], int] = {}
         self.peak = 0
         self._live: dict[tuple[str, int], list[int]] = {}  # key -> [references, bytes]
@@ -57,6 +61,8 @@ class SavedActivations:
 
     def _pack(self, t: torch.Tensor) -> _Held:
         key = _key(t)
+        if self._module is not None and key in {_key(p) for p in self._module.parameters()}:
+            return _Held(self, None, t)
         if key in self._excluded or key[1] == 0:  # 0: no storage (e.g. meta)
             return _Held(self, None, t)
         nbytes = t.untyped_storage().nbytes()
