@@ -262,11 +262,6 @@ APPROXIMATIONS = """What remains approximate:
   Korthikanti et al.'s GPT-3 constants. Small per-step tensors (targets, the
   vocabulary-parallel mask, routing counts) are left out. Mixture-of-experts rows
   assume balanced routing: a rank that receives more tokens holds more.
-- Selective recompute: the measurement misses the attention block's input, which
-  torch's non-reentrant checkpoint keeps by reference when the block is called with
-  keyword arguments (Hugging Face passes `hidden_states=`), outside
-  `saved_tensors_hooks`; the plan counts it. The gap is exactly that input, b·s·h·e
-  per layer (4 x 65,536 bytes here).
 - Bytes: the engine's own scalars (token count, loss and timing gather, the clipping
   norm) are not in the plan; the whole-grid gather is not counted against an axis.
   Expert all-to-alls assume balanced routing.
