@@ -89,6 +89,7 @@ def demo(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Paired benchmarks against the peers; each rewrites its section of RESULTS.md."""
     install_all(session)
-    for script in sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("benchmarks/*_vs_*.py")):
+    scripts = [*ROOT.glob("benchmarks/*_vs_*.py"), ROOT / "benchmarks/deepspeed_bridge.py"]
+    for script in sorted(str(p.relative_to(ROOT)) for p in scripts):
         session.run("torchrun", "--nproc-per-node", "2", script, *session.posargs,
                     env={"OMP_NUM_THREADS": "1"})

@@ -73,6 +73,9 @@ def test_missing_axis_names_the_pip_command():
         resolve_strategies(ParallelConfig.from_kwargs(tensor=2), pm)
     with pytest.raises(MissingAxisPackageError, match="pip install paraxis-zero-shard"):
         resolve_strategies(ParallelConfig.from_kwargs(data=2, zero=1), pm)
+    with pytest.raises(MissingAxisPackageError, match="pip install paraxis-deepspeed"):
+        resolve_strategies(ParallelConfig.from_kwargs(data=2, zero=2,
+                                                      offload={"optimizer": "cpu"}), pm)
 
 
 def test_duplicate_axis_registration_is_an_error():
@@ -93,6 +96,9 @@ def test_required_axes():
     # Expert and context replicas average dense gradients too: that is the data strategy.
     assert sorted(required_axes(ParallelConfig.from_kwargs(expert=2))) == ["data", "expert"]
     assert required_axes(ParallelConfig.from_kwargs(data=2, zero=3)) == ["zero"]
+    # Offload is the DeepSpeed bridge's, which owns ZeRO and data-parallel reduction.
+    offload = ParallelConfig.from_kwargs(data=2, zero=3, offload={"parameters": "cpu"})
+    assert required_axes(offload) == ["offload"]
     # A mixture-of-experts model trains with its router losses: the expert axis applies
     # at degree 1 too.
     assert required_axes(ParallelConfig(), has_experts=True) == ["expert"]

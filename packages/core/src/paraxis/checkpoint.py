@@ -12,6 +12,12 @@ Loading computes, for each local tensor, the region it needs from its placement 
 reads only the overlapping parts of the shards, so a checkpoint saved on one grid can
 restore on another.
 
+An optimizer that keeps the weights and their state itself, partitioned its own way
+(the DeepSpeed bridge), implements ``checkpoint_state(param)`` (collective: the value
+and optimizer state laid out as the parameter's placement says, or None where this rank
+does not write them) and ``load_checkpoint_state(param, value, state)``; the format
+is the same either way.
+
 Writes are atomic: every rank writes into a temporary directory, rank 0 writes the
 index, renames the directory, then replaces ``latest``; a process killed at any point
 leaves the previous checkpoint loadable and ``latest`` naming a complete one. Every
@@ -75,20 +81,13 @@ def _local_entries(engine: Engine) -> tuple[dict[str, torch.Tensor], dict[str, A
         entries[key] = {"shape": shape, "dtype": str(t.dtype).removeprefix("torch."),
                         "offsets": offsets, "whole": whole}
 
-    coords = engine.grid.coords
-    for param in engine.model.parameters():
-        rec = placement_of(param)
-        if _owner(rec, coords):
-            for suffix, view, shape, region in _pieces(param, rec):
-                put(f"model/{rec.name}{suffix}", view, shape, region)
-    # State follows the optimizer's own parameters: the model's, or the shards a ZeRO
-    # optimizer steps, each with its placement.
-    for param in _optimizer_params(engine.optimizer):
-        rec = placement_of(param)
-        if not _owner(rec, coords):
-            continue
-        for k, v in engine.optimizer.state.get(param, {}).items():
-            if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(param.shape):
+    weights, states = _to_write(engine)
+    for rec, value in weights:
+        for suffix, view, shape, region in _pieces(value, rec):
+            put(f"model/{rec.name}{suffix}", view, shape, region)
+    for rec, value, state in states:
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(value.shape):
                 for suffix, view, shape, region in _pieces(v, rec):
                     put(f"optim/{rec.name}{suffix}/{k}", view, shape, region)
             elif isinstance(v, torch.Tensor):
@@ -99,6 +98,31 @@ def _local_entries(engine: Engine) -> tuple[dict[str, torch.Tensor], dict[str, A
     for name, state in _rng_states(engine).items():
         put(f"rng/rank{rank}/{name}", state, [-1], [])
     return tensors, entries
+
+
+def _to_write(engine: Engine) -> tuple[list[tuple[Placement, torch.Tensor]],
+                                       list[tuple[Placement, torch.Tensor, dict[str, Any]]]]:
+    """The weights and the optimizer states this rank writes, each with its placement.
+
+    Weights are the model's parameters this rank owns. State follows the optimizer's own
+    parameters: the model's, or the shards a ZeRO optimizer steps. An optimizer that
+    holds the weights itself (the DeepSpeed bridge) decides who writes what."""
+    held = getattr(engine.optimizer, "checkpoint_state", None)
+    if held is not None:
+        weights, states = [], []
+        for param in engine.model.parameters():
+            got = held(param)  # collective: every rank asks for every parameter
+            if got is not None:
+                rec = placement_of(param)
+                weights.append((rec, got[0]))
+                states.append((rec, got[0], got[1]))
+        return weights, states
+    coords = engine.grid.coords
+    weights = [(placement_of(p), p) for p in engine.model.parameters()
+               if _owner(placement_of(p), coords)]
+    states = [(placement_of(p), p, engine.optimizer.state.get(p, {}))
+              for p in _optimizer_params(engine.optimizer) if _owner(placement_of(p), coords)]
+    return weights, states
 
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -293,7 +317,8 @@ def _check_model(index: dict[str, Any], engine: Engine, ckpt: Path) -> None:
     wrong = []
     for param in engine.model.parameters():
         rec = placement_of(param)
-        for suffix, _, shape, _ in _pieces(param, rec):
+        for piece in rec.pieces():  # the placement alone: the parameter may be
+            suffix, shape = piece.suffix, list(piece.shape)  # partitioned elsewhere
             entry = index["tensors"].get(f"model/{rec.name}{suffix}")
             if entry is None:
                 wrong.append(f"{rec.name}{suffix} is missing")
@@ -316,11 +341,18 @@ def load_checkpoint(engine: Engine, directory: str | os.PathLike[str], *,
     _check_model(index, engine, ckpt)
     reader = _Reader(ckpt, index, verify=verify)
     optimizer_keys = _optimizer_keys(index)
+    give = getattr(engine.optimizer, "load_checkpoint_state", None)
     for param in engine.model.parameters():
         rec = placement_of(param)
-        for suffix, view, _, region in _pieces(param, rec):
+        # An optimizer that holds the weights (DeepSpeed's partitions) takes them whole.
+        value = param if give is None else torch.zeros(rec.local_shape, dtype=rec.dtype)
+        for suffix, view, _, region in _pieces(value, rec):
             view.copy_(reader.read(f"model/{rec.name}{suffix}", region))
-    for param in _optimizer_params(engine.optimizer):
+        if give is not None:
+            give(param, value, _load_optimizer_state(
+                reader, optimizer_keys.get(rec.name, {}), value, rec))
+    # State follows the optimizer's own parameters (the model's, or ZeRO's shards).
+    for param in _optimizer_params(engine.optimizer) if give is None else ():
         rec = placement_of(param)
         state = _load_optimizer_state(reader, optimizer_keys.get(rec.name, {}), param, rec)
         if state:

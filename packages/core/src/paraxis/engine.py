@@ -123,14 +123,10 @@ class Engine:
         else:
             total = self._forward_backward(microbatches, scale, aux_scale)
         self.tracer.add("grad_sync_wait", "comm", self.ctx.finish_grad_sync())
-        with self.tracer.span("clip_grad_norm"):
-            clip = getattr(self.optimizer, "clip_grad_norm", None)
-            norm = (clip(self.train_cfg.grad_clip) if clip is not None else
-                    clip_grad_norm(self.params, self.train_cfg.grad_clip, self.grid))
+        norm = self._clip_and_step()
+        # Measured before zero_grad: gradient buffers are model state too.
+        memory = memory_stats(self.model, self.optimizer, self.device)
         with self.tracer.span("optimizer"):
-            self.optimizer.step()
-            # Measured before zero_grad: gradient buffers are model state too.
-            memory = memory_stats(self.model, self.optimizer, self.device)
             self.optimizer.zero_grad(set_to_none=True)
             lr = self.optimizer.param_groups[0]["lr"]
             if self.scheduler is not None:
@@ -147,6 +143,23 @@ class Engine:
         out.update(zip(self.ctx.aux_losses.names, sums[1:], strict=True))
         out.update(extra)
         return out
+
+    def _clip_and_step(self) -> float:
+        """Global-norm clipping, then the optimizer step; the norm before clipping.
+
+        An optimizer whose step computes the norm and clips itself (DeepSpeed's engine:
+        norm, clipping and loss scaling happen inside ``engine.step``) sets
+        ``clips_in_step = True`` and returns the norm from ``step()``."""
+        if getattr(self.optimizer, "clips_in_step", False):
+            with self.tracer.span("optimizer"):
+                return float(self.optimizer.step())
+        with self.tracer.span("clip_grad_norm"):
+            clip = getattr(self.optimizer, "clip_grad_norm", None)
+            norm = (clip(self.train_cfg.grad_clip) if clip is not None else
+                    clip_grad_norm(self.params, self.train_cfg.grad_clip, self.grid))
+        with self.tracer.span("optimizer"):
+            self.optimizer.step()
+        return norm
 
     def _reduce_step(self, total: torch.Tensor, step_time: float,
                      ) -> tuple[list[float], float, float]:
@@ -187,7 +200,10 @@ class Engine:
                     objective = self.ctx.aux_losses.objective(
                         loss_sum * scale.to(loss_sum.dtype), aux_scale)
                 with self.tracer.span("backward"):
-                    objective.backward()
+                    if self.ctx.backward is not None:
+                        self.ctx.backward(objective)
+                    else:
+                        objective.backward()
             total += loss_sum.detach().double()
         return total
 

@@ -66,6 +66,19 @@ def paraxis_build_model(family: str, config: dict[str, Any]) -> Any:
     """
 
 
+@hookspec(firstresult=True)
+def paraxis_model_context(config: Any) -> Any:
+    """A context manager to construct the model in, or None (build it whole).
+
+    Called by :func:`paraxis.trainer.train` with the :class:`paraxis.run_config.RunConfig`
+    on every rank, after the default process group exists and before the model is built.
+    paraxis-deepspeed answers under ZeRO-3 offload with ``deepspeed.zero.Init``, so a
+    model larger than one rank's memory is constructed partitioned. A model built in such
+    a context cannot run whole on one rank, so the trainer skips the parity probe of
+    ``parallelize`` for it (as ``verify=False``). firstresult.
+    """
+
+
 @hookspec
 def paraxis_log_start(config: Any, grid: dict[str, Any]) -> None:
     """A run starts: ``config`` is the :class:`paraxis.run_config.RunConfig`, ``grid``

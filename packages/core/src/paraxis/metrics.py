@@ -115,8 +115,8 @@ def memory_stats(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     for p in model.parameters():
         tensors += [p, p.grad]
     if optimizer is not None:
-        for group in optimizer.param_groups:
-            for p in group["params"]:
+        for group in optimizer.param_groups:  # an optimizer holding its weights elsewhere
+            for p in group.get("params", ()):  # (the DeepSpeed bridge) lists none here
                 tensors += [p, p.grad]
         for st in optimizer.state.values():
             tensors += [t for t in st.values() if isinstance(t, torch.Tensor)]

@@ -60,6 +60,7 @@ PACKAGE_FOR_AXIS: dict[str, str] = {
     "context": "paraxis-seq-context",
     "data": "paraxis-dp-core",
     "zero": "paraxis-zero-shard",
+    "offload": "paraxis-deepspeed",
     "activation_checkpointing": "paraxis",  # core's own
 }
 
@@ -155,6 +156,10 @@ class ApplyContext:
     batch_transforms: list[Callable[[Batch], Batch]] = field(default_factory=list)
     # Losses besides next-token cross-entropy (router losses), see paraxis.batch.
     aux_losses: AuxLosses = field(default_factory=AuxLosses)
+    # loss -> None, called instead of ``loss.backward()`` by the engine; set by a
+    # strategy that owns backward, gradient reduction and the optimizer step (the
+    # DeepSpeed bridge: engine.backward with its own accumulation boundary).
+    backward: Callable[[Any], None] | None = None
     # Called on every rank after each optimizer step (collective where they need);
     # each returns metrics to merge into the step's (the same on every rank) or None.
     step_hooks: list[Callable[[], dict[str, float] | None]] = field(default_factory=list)
@@ -221,8 +226,11 @@ def required_axes(config: ParallelConfig, *, has_experts: bool = False) -> list[
     wanted = [a for a in ("pipeline", "tensor", "expert", "context") if getattr(par, a) > 1]
     if has_experts and "expert" not in wanted:
         wanted.append("expert")
-    # Gradients of dense parameters are averaged over data x expert x context.
-    if par.zero > 0:
+    # Gradients of dense parameters are averaged over data x expert x context. Offload
+    # (ZeRO-Offload / ZeRO-Infinity) is the DeepSpeed bridge's, which then owns ZeRO too.
+    if par.offload.enabled:
+        wanted.append("offload")
+    elif par.zero > 0:
         wanted.append("zero")
     elif par.data * par.expert * par.context > 1:
         wanted.append("data")

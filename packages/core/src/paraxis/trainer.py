@@ -17,6 +17,7 @@ from torch import nn
 from paraxis.api import parallelize
 from paraxis.data import BatchStream, load_tokenizer, pack
 from paraxis.engine import Engine
+from paraxis.launch import init_distributed
 from paraxis.lifecycle import StopRequest
 from paraxis.plugins import make_plugin_manager
 from paraxis.run_config import ModelSection, RunConfig
@@ -132,8 +133,13 @@ def train(cfg: RunConfig, history: list[dict[str, float]] | None = None) -> dict
         model_spec = cfg.model.model_copy(update={"config": {
             **cfg.model.config, "vocab_size": tokenizer.vocab_size,
             "seq_length": cfg.train.seq_length}})
-    engine = parallelize(build_model(model_spec, pm, seed=cfg.train.seed), config=cfg,
-                         train=cfg.train, plugin_manager=pm)
+    init_distributed()  # a construction context may partition over the ranks
+    context = pm.hook.paraxis_model_context(config=cfg)
+    with context if context is not None else contextlib.nullcontext():
+        model = build_model(model_spec, pm, seed=cfg.train.seed)
+    # A model constructed partitioned cannot run whole on a rank: no parity probe.
+    engine = parallelize(model, config=cfg, train=cfg.train, plugin_manager=pm,
+                         verify=context is None)
     signals = StopRequest().install()
     engine.stop_request = signals
     grid = engine.grid
