@@ -103,13 +103,14 @@ def communication(counts: ModelCounts, layout: ParallelConfig, work: Workload, *
         out.append(_data(layout, el, dense_grad_params, expert_grad_params,
                          link("data", "expert", "context")))
     if t > 1:
+        replays = {"none": 0, "selective": 1, "full": 2}[sched.activation_checkpointing]
         volume = max(_tensor_stage(counts, layout, work, r, layer_ids)
                      for r, layer_ids in enumerate(per_rank))
         op = "all-gather + reduce-scatter" if par.sequence_parallel else "all-reduce"
         out.append(AxisComm("tensor", op, volume, t, link("tensor"),
                             "none: on the critical path inside every layer",
-                            "4 per layer per microbatch (+1 selective, +2 full "
-                            "recompute), the vocabulary's at the ends"))
+                            f"{4 + replays} per layer per microbatch, plus the "
+                            "vocabulary-parallel ends"))
     if p > 1:
         message = tokens * h * el / (t if par.sequence_parallel else 1)
         sends = _pipeline_sends(p, v)
