@@ -1,10 +1,11 @@
-"""Sessions: demo, tests, tests_isolated, lint, bench.
+"""Sessions: demo, tests, tests_isolated, lint, bench, coverage.
 
     nox -s tests            everything, in one environment with every package
     nox -s tests_isolated   each package's tests with only core and that package installed
     nox -s lint             ruff
     nox -s demo             the default multi-process training run
     nox -s bench            the paired benchmarks (updates benchmarks/RESULTS.md)
+    nox -s coverage         every transformers causal LM, every axis (docs/coverage.md)
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import nox
 ROOT = Path(__file__).parent
 # The CPU wheel on this machine's disk; an unpinned torch would pull a CUDA build.
 TORCH = "torch==2.13.0"
+# The coverage matrix describes one transformers release; docs/coverage.md names it.
+TRANSFORMERS = "transformers==5.24.0"
 CORE = "packages/core"
 PACKAGES = sorted(
     str(p.parent.relative_to(ROOT))
@@ -93,3 +96,14 @@ def bench(session: nox.Session) -> None:
     for script in sorted(str(p.relative_to(ROOT)) for p in scripts):
         session.run("torchrun", "--nproc-per-node", "2", script, *session.posargs,
                     env={"OMP_NUM_THREADS": "1"})
+
+
+@nox.session
+def coverage(session: nox.Session) -> None:
+    """Every causal-LM model type of transformers through every installed axis, against
+    one process; rewrites docs/coverage.md (about 10 minutes on a shared 2-core
+    machine). Arguments go to ``python -m paraxis_hf.coverage`` (``--only llama gemma2``,
+    ``--json rows.json``)."""
+    install_all(session)
+    session.install(TRANSFORMERS)
+    session.run("python", "-m", "paraxis_hf.coverage", *session.posargs, env=TEST_ENV)

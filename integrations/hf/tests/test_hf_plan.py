@@ -75,3 +75,17 @@ def test_loss_equals_the_models_own_labels_loss(family):
                                          shift_labels(labels))
     assert count == int((labels[:, 1:] != -100).sum())
     assert_step_close(loss_sum / count, want, "loss against the model's labels= loss")
+
+
+def test_a_head_entry_alone_is_no_pipeline_plan():
+    # transformers gives every causal LM its head's pipeline entry; Nemotron's base model
+    # ships no pipeline plan, so there are no stages: refused as "no pipeline plan".
+    from transformers import AutoModelForCausalLM
+
+    from paraxis_hf.coverage.shrink import tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config("nemotron").config)
+    plan = find_plan(model, make_plugin_manager(), None)
+    assert plan.tensor and plan.pipeline == {}
+    with pytest.raises(PlanError, match="has no pipeline-parallel plan"):
+        plan.require("pipeline")

@@ -102,6 +102,79 @@ def test_the_parity_probe_refuses_a_layout_that_changes_the_loss(worlds):
         assert "with tensor 2" in message
 
 
+class WrongBackward(Strategy):
+    """A partition strategy whose forward is right and whose backward is not: it doubles
+    one weight's gradient, as a partial gradient summed twice would. The loss alone
+    cannot see it."""
+
+    axis = "tensor"
+    phase = Phase.PARTITION
+
+    def apply(self, model, ctx):
+        model.layers[0].mlp.down.weight.register_hook(lambda g: 2 * g)
+        return model
+
+
+class WrongBackwardPlugin:
+    @hookimpl
+    def paraxis_register_strategies(self, register):
+        register(WrongBackward)
+
+
+def wrong_backward_run():
+    torch.manual_seed(0)
+    pm = make_plugin_manager(load_entrypoints=False, plugins=(WrongBackwardPlugin(),))
+    plan = ModelPlan("TinyTransformer", tensor={"layers.*.mlp.up": "colwise"})
+    try:
+        paraxis.parallelize(TinyTransformer(CFG), tensor=dist.get_world_size(), plan=plan,
+                            plugin_manager=pm, train={"seq_length": CFG.seq_length})
+    except PlanError as exc:
+        return str(exc)
+    return None
+
+
+def test_the_parity_probe_refuses_a_layout_with_the_right_loss_and_wrong_gradients(worlds):
+    for message in worlds.run(2, wrong_backward_run):
+        assert message and "gradient norm on a probe batch" in message, message
+        assert "This layout would train something else" in message
+
+
+class Misshapen(Strategy):
+    """A partition strategy after which the model's forward cannot run at all, as a
+    tensor left whole beside split hidden states makes it."""
+
+    axis = "tensor"
+    phase = Phase.PARTITION
+
+    def apply(self, model, ctx):
+        model.layers[0].mlp.down.register_forward_hook(lambda m, args, out: out[..., :1, :-1])
+        return model
+
+
+class MisshapenPlugin:
+    @hookimpl
+    def paraxis_register_strategies(self, register):
+        register(Misshapen)
+
+
+def misshapen_run():
+    torch.manual_seed(0)
+    pm = make_plugin_manager(load_entrypoints=False, plugins=(MisshapenPlugin(),))
+    plan = ModelPlan("TinyTransformer", tensor={"layers.*.mlp.up": "colwise"})
+    try:
+        paraxis.parallelize(TinyTransformer(CFG), tensor=dist.get_world_size(), plan=plan,
+                            plugin_manager=pm, train={"seq_length": CFG.seq_length})
+    except PlanError as exc:
+        return str(exc)
+    return None
+
+
+def test_the_parity_probe_refuses_a_layout_whose_model_cannot_run(worlds):
+    for message in worlds.run(2, misshapen_run):
+        assert message and "cannot run the probe batch (RuntimeError" in message, message
+        assert "with tensor 2" in message
+
+
 def unchecked_run():
     torch.manual_seed(0)
     pm = make_plugin_manager(load_entrypoints=False, plugins=(MiswiredPlugin(),))

@@ -48,8 +48,8 @@ def wrap_with(plan):
 
 
 @pytest.mark.parametrize(("entry", "message"), [
-    ({"layers.*.mlp.up": "moe_tp_experts"},
-     "layers.0.mlp.up: tensor-parallel style 'moe_tp_experts' is not supported"),
+    ({"layers.*.mlp.up": "sequence_parallel"},
+     "layers.0.mlp.up: tensor-parallel style 'sequence_parallel' is not supported"),
     ({"layers.*.attn_norm": "colwise"},
      "layers.0.attn_norm: style 'colwise' needs Linear, found RMSNorm"),
 ])

@@ -38,7 +38,7 @@ def partitioned_construction(config: Any) -> contextlib.AbstractContextManager[A
 def _zero_init(config: Any) -> Iterator[None]:
     import deepspeed
 
-    from paraxis_deepspeed.ops import extension_cache
+    from paraxis_deepspeed.ops import extension_cache, skip_inference_comm_op
     from paraxis_deepspeed.translate import deepspeed_config
 
     extension_cache()
@@ -46,6 +46,7 @@ def _zero_init(config: Any) -> Iterator[None]:
     ds_config = deepspeed_config(config, config.train, hidden_size=hidden)
     # DeepSpeed's communication layer over the already joined default group; without it
     # zero.Init would read its config for a world of one.
+    skip_inference_comm_op()
     deepspeed.init_distributed(dist_init_required=False)
     with contextlib.ExitStack() as stack:
         if config.model.family != "tiny":  # plain torch modules initialize in __init__

@@ -1,17 +1,23 @@
-"""DeepSpeed's C++ extensions (CPU Adam; on a CPU accelerator also its shared-memory
-communication op) compile on first use: about a minute on an idle machine, many on a
-busy one. The bridge builds them before ``deepspeed.initialize`` and says so, with a
-line every few seconds until done, so a first run never sits silent."""
+"""DeepSpeed's C++ extension (CPU Adam) compiles on first use: about a minute on an idle
+machine, many on a busy one. The bridge builds it before ``deepspeed.initialize`` and
+says so, with a line every few seconds until done, so a first run never sits silent.
+
+On a CPU accelerator DeepSpeed's communication layer also compiles a shared-memory
+all-reduce kernel when it starts (``deepspeed.comm.torch.build_shm_op``). Only
+``inference_all_reduce`` uses it, which training never calls (and which falls back to
+the process group's all-reduce without it), so the bridge starts the layer without it
+(:func:`skip_inference_comm_op`): another minute or more of compiling saved."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["build_ops", "extension_cache", "is_built"]
+__all__ = ["build_ops", "extension_cache", "is_built", "skip_inference_comm_op"]
 
 HEARTBEAT_S = 15.0
 QUIET_S = 3.0
@@ -31,12 +37,19 @@ def extension_cache() -> str:
 def _builders() -> list:
     from deepspeed.accelerator import get_accelerator
 
-    accel = get_accelerator()
-    names = ["CPUAdamBuilder"]
-    if accel.device_name() == "cpu":
-        names.append("ShareMemCommBuilder")
-    builders = [accel.create_op_builder(n) for n in names]
-    return [b for b in builders if b is not None]
+    builder = get_accelerator().create_op_builder("CPUAdamBuilder")
+    return [builder] if builder is not None else []
+
+
+def skip_inference_comm_op() -> None:
+    """Start DeepSpeed's CPU communication layer without its inference-only shared-memory
+    kernel (see the module docstring). Call before ``deepspeed.init_distributed`` or
+    ``deepspeed.initialize``; a no-op on other accelerators."""
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        # By module name: ``deepspeed.comm.torch`` as an attribute is torch itself.
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 
 def is_built(builder) -> bool:

@@ -86,7 +86,7 @@ class OffloadStrategy(Strategy):
         import deepspeed
 
         from paraxis_deepspeed.memory import resident_bytes
-        from paraxis_deepspeed.ops import build_ops
+        from paraxis_deepspeed.ops import build_ops, skip_inference_comm_op
         from paraxis_deepspeed.translate import deepspeed_config
 
         module = self.model.module
@@ -95,6 +95,7 @@ class OffloadStrategy(Strategy):
                                      pin_memory=torch.cuda.is_available())
         logging = ctx.grid.rank == ctx.grid.logging_rank
         build_ops(_say if logging else None)
+        skip_inference_comm_op()
         groups = _adamw_groups(module, train.weight_decay, train.lr, train.betas)
         engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=groups,
                                                config=ds_config, mpu=self.mpu,

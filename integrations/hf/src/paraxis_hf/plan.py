@@ -40,6 +40,10 @@ def _tensor_plan(model: nn.Module) -> dict[str, str]:
 
 
 def _pipeline_plan(model: nn.Module) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+    if not getattr(model.config, "base_model_pp_plan", None):
+        # transformers gives every causal LM its head's entry; without the base model's
+        # plan (the layers) there are no stages to cut, so there is no pipeline plan.
+        return {}
     plan = getattr(model, "_pp_plan", None)
     if not plan:
         prefix = getattr(model, "base_model_prefix", "")

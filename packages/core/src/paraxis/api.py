@@ -20,7 +20,7 @@ from paraxis.strategy import ApplyContext, apply_parallelism, deferred, resolve_
 from paraxis.validation import ModelShape, validate
 from paraxis.verify import Probe
 
-__all__ = ["build_optimizer", "parallelize"]
+__all__ = ["build_optimizer", "parallelize", "preflight"]
 
 
 def build_optimizer(model: nn.Module, ctx: ApplyContext,
@@ -32,6 +32,35 @@ def build_optimizer(model: nn.Module, ctx: ApplyContext,
         if optimizer is not None:
             return optimizer
     return build_adamw(model, lr=train.lr, weight_decay=train.weight_decay, betas=train.betas)
+
+
+def preflight(model: nn.Module, config: ParallelConfig, *, train: TrainSection,
+              plan: ModelPlan | None = None, model_shape: ModelShape | None = None,
+              plugin_manager: Any = None, world_size: int | None = None,
+              ) -> tuple[ModelShape | None, ModelPlan]:
+    """What :func:`parallelize` checks before any process group exists: the config
+    against the world size (``world_size``, else the launched one) and the model's shape,
+    every axis resolved to an installed package, the plan found and required for each
+    axis that rewrites modules. Raises the error ``parallelize`` would; returns the
+    model's shape (at the trained length) and its plan."""
+    pm = plugin_manager or make_plugin_manager()
+    if model_shape is None and hasattr(model, "config"):
+        model_shape = ModelShape.from_hf_config(model.config)
+    if model_shape is not None:  # what is split and counted is the trained length
+        model_shape = dataclasses.replace(model_shape, seq_length=train.seq_length)
+    model_plan = find_plan(model, pm, plan)
+    # A missing axis package fails here, before any group.
+    strategies = resolve_strategies(config, pm, has_experts=bool(model_plan.experts))
+    # What only the module shows (a layout an axis does not know, an attention kernel it
+    # cannot intercept) is reported with the configuration's problems, all at once.
+    module_problems = [p for cls in strategies for p in cls.check_model(model, config,
+                                                                         model_plan)]
+    validate(config, world_size=world_size or launched_world_size(), model=model_shape,
+             plugin_manager=pm, extra=module_problems)
+    for axis in PLANNED_AXES:
+        if config.degrees[axis] > 1:
+            model_plan.require(axis)
+    return model_shape, model_plan
 
 
 def parallelize(
@@ -71,22 +100,8 @@ def parallelize(
                                             expert=expert, context=context, zero=zero,
                                             microbatches=microbatches, **options)
     train_cfg = train if isinstance(train, TrainSection) else TrainSection(**(train or {}))
-    if model_shape is None and hasattr(model, "config"):
-        model_shape = ModelShape.from_hf_config(model.config)
-    if model_shape is not None:  # what is split and counted is the trained length
-        model_shape = dataclasses.replace(model_shape, seq_length=train_cfg.seq_length)
-    model_plan = find_plan(model, pm, plan)
-    # A missing axis package fails here, before any group.
-    strategies = resolve_strategies(config, pm, has_experts=bool(model_plan.experts))
-    # What only the module shows (a layout an axis does not know, an attention kernel it
-    # cannot intercept) is reported with the configuration's problems, all at once.
-    module_problems = [p for cls in strategies for p in cls.check_model(model, config,
-                                                                         model_plan)]
-    validate(config, world_size=launched_world_size(), model=model_shape, plugin_manager=pm,
-             extra=module_problems)
-    for axis in PLANNED_AXES:
-        if config.degrees[axis] > 1:
-            model_plan.require(axis)
+    model_shape, model_plan = preflight(model, config, train=train_cfg, plan=plan,
+                                        model_shape=model_shape, plugin_manager=pm)
 
     init_distributed()
     grid = Grid.build(config)

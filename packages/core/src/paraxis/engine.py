@@ -228,12 +228,38 @@ class Engine:
         finally:
             self._fp32_only = False
 
+    def probe_grad_norm(self, batch: Any) -> float:
+        """The global gradient norm of this global batch's mean loss, back-propagated
+        through every axis in fp32 and eval mode, without stepping; gradients are cleared
+        after (the parity probe). Auxiliary losses are left out, as in the model's own."""
+        self.model.eval()
+        self._fp32_only = True
+        try:
+            batch, tokens = self._prepare(batch)
+            microbatches = batch.chunk(self.config.schedule.microbatches)
+            scale = self.replicas.size / tokens.clamp(min=1)
+            if self.ctx.forward_backward is not None:
+                with self.ctx.no_sync():
+                    self.ctx.forward_backward(microbatches, self.loss_fn, scale, True,
+                                              aux_scale=0.0)
+            else:
+                self._forward_backward(microbatches, scale, 0.0)
+            self.ctx.finish_grad_sync()
+            clip = getattr(self.optimizer, "clip_grad_norm", None)
+            return float(clip(0.0) if clip is not None else
+                         clip_grad_norm(self.params, 0.0, self.grid))
+        finally:
+            self._fp32_only = False
+            self.optimizer.zero_grad(set_to_none=True)
+            self.ctx.aux_losses.pop()
+            self.ctx.aux_losses.reset_totals()
+
     # ---- metrics ---------------------------------------------------------------------
 
     def _model_flops(self) -> float | None:
         shape = self.model_shape
-        if shape is None:
-            return None
+        if shape is None or not shape.hidden_size or not shape.num_attention_heads:
+            return None  # a config without the standard size names: no MFU
         embeddings = {id(p) for m in self.model.modules() if isinstance(m, nn.Embedding)
                       for p in m.parameters()}
         n = sum(math.prod(placement_of(p).global_shape) for p in self.model.parameters()

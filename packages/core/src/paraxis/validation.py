@@ -112,7 +112,12 @@ def read_model_config(path: str | Path) -> dict[str, Any]:
 def divides(problems: list[Problem], field: str, value: int | None, degree: int,
             axis: str) -> None:
     """Append a problem unless ``value`` is divisible by ``degree`` (the rule every axis
-    that splits a dimension shares)."""
+    that splits a dimension shares); a per-layer list (Gemma-3n's intermediate sizes)
+    is checked value by value."""
+    if isinstance(value, Sequence) and not isinstance(value, str):  # one per layer
+        for v in dict.fromkeys(value):
+            divides(problems, field, v, degree, axis)
+        return
     if value is not None and degree > 1 and value % degree:
         problems.append(Problem(
             field, value, f"must be divisible by the {axis} degree {degree}",

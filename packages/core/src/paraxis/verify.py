@@ -1,14 +1,22 @@
 """Refuse, never mistrain: the parity probe of ``parallelize``.
 
 Before any axis touches the model, every rank computes the model's own loss on a small
-fixed probe batch (the whole model, one process, fp32, no dropout). After every axis
-applied, the engine evaluates the same batch through the parallel model, each rank on
-its share, and the globally reduced loss must agree within
-:data:`paraxis.numerics.REDUCTION_RTOL`. A layout that would train something else (a
-module a strategy misunderstood, a family whose forward does something the axes did not
-expect) is refused at ``parallelize`` time with the axes in use and the difference,
-before a single step. Every rank reaches the same verdict (the loss is reduced over the
-grid), so the refusal never leaves a rank waiting.
+fixed probe batch (the whole model, one process, fp32, no dropout) and the global norm
+of its gradient. After every axis applied, the engine evaluates the same batch through
+the parallel model, each rank on its share, then back-propagates it without stepping;
+the globally reduced loss and gradient norm must both agree within
+:data:`paraxis.numerics.REDUCTION_RTOL`. The gradient catches what the loss cannot: a
+layout whose forward is right but whose backward is not (a partial gradient never
+summed), or one that changes a part of the model contributing little to the loss (a
+packed weight split as if unpacked, in experts whose outputs are small at
+initialization). A layout that would train something else is refused at ``parallelize``
+time with the axes in use and the difference, before a single step. Every rank reaches
+the same verdict (both numbers are reduced over the grid), so the refusal never leaves a
+rank waiting.
+
+A parallel model that cannot run the probe batch at all (a tensor the model passes to
+every layer beside the hidden states, left whole where sequence parallelism split the
+hidden states) is refused the same way, with the error it raised.
 
 An axis whose parallel arithmetic is legitimately not the one-process model's (expert
 capacity that drops tokens per expert group) sets ``ctx.skip_verify`` to its reason.
@@ -39,17 +47,20 @@ PROBE_TOKENS = 16  # per sequence, at least; enough positions to exercise masks
 
 @dataclass(frozen=True)
 class Probe:
-    """The probe batch (every rank's, as one global batch) and the model's own loss."""
+    """The probe batch (every rank's, as one global batch), the model's own loss and the
+    global norm of its gradient."""
 
     ids: torch.Tensor
     loss: float
+    grad_norm: float
 
     @classmethod
     def before(cls, model: nn.Module, config: ParallelConfig, *, seq_length: int,
                vocab: int | None, forward_kwargs: dict[str, Any]) -> Probe:
         """Run the whole model on the probe batch (call before any axis applies)."""
         par = config.parallelism
-        rows = par.data * par.expert  # one sequence per rank that holds distinct samples
+        # One sequence per microbatch of every rank that holds distinct samples.
+        rows = par.data * par.expert * config.schedule.microbatches
         # Long enough to split wherever an axis cuts the sequence (context's 2C zigzag
         # chunks, sequence parallel's tensor x context), short enough to be cheap.
         unit = 2 * par.context * par.tensor
@@ -60,24 +71,50 @@ class Probe:
         modes = {m: m.training for m in model.modules()}
         model.eval()
         try:
-            with torch.no_grad():
-                out = model(ids.to(device), **forward_kwargs)
-                logits = out.logits if hasattr(out, "logits") else out
-                loss_sum, count = causal_lm_loss_sum(logits, shift_labels(ids).to(device))
+            out = model(ids.to(device), **forward_kwargs)
+            logits = out.logits if hasattr(out, "logits") else out
+            loss_sum, count = causal_lm_loss_sum(logits, shift_labels(ids).to(device))
+            loss = loss_sum / max(count, 1)
+            loss.backward()
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            norm = float(torch.sqrt(sum(g.double().pow(2).sum() for g in grads))) if grads \
+                else 0.0
         finally:
+            model.zero_grad(set_to_none=True)
             for m, mode in modes.items():
                 m.train(mode)
-        return cls(ids, float(loss_sum) / max(count, 1))
+        return cls(ids, float(loss), norm)
 
     def check(self, engine: Engine, axes: str) -> None:
-        """Evaluate the probe through the parallel engine; refuse if it disagrees."""
+        """Evaluate and back-propagate the probe through the parallel engine; refuse if
+        its loss or gradient norm disagrees."""
         index, count = engine.grid.sample_shard()
         per = self.ids.shape[0] // count
-        got = engine.probe_loss(self.ids[index * per:(index + 1) * per])
-        if not math.isfinite(got) or abs(got - self.loss) > REDUCTION_RTOL * abs(self.loss):
+        mine = self.ids[index * per:(index + 1) * per]
+        try:
+            got = engine.probe_loss(mine)
+        except Exception as exc:  # every rank meets a layout's shape error alike
+            first = (str(exc).strip().splitlines() or [""])[0]
             raise PlanError(
-                f"{engine.plan.model_class}: with {axes} the parallel model's loss on a "
-                f"probe batch is {got:.8g}, the model's own is {self.loss:.8g} (relative "
-                f"difference {abs(got - self.loss) / abs(self.loss):.2e}, allowed "
-                f"{REDUCTION_RTOL:.0e}). This layout would train something else, so it is "
-                "refused; please report the model and the degrees")
+                f"{engine.plan.model_class}: with {axes} the parallel model cannot run the "
+                f"probe batch ({type(exc).__name__}: {first}); this layout does not fit "
+                "the model's forward, so it is refused; please report the model and the "
+                "degrees") from exc
+        if _differ(got, self.loss):
+            self._refuse(engine, axes, "loss", got, self.loss)
+        norm = engine.probe_grad_norm(mine)
+        if _differ(norm, self.grad_norm):
+            self._refuse(engine, axes, "gradient norm", norm, self.grad_norm)
+
+    @staticmethod
+    def _refuse(engine: Engine, axes: str, what: str, got: float, want: float) -> None:
+        raise PlanError(
+            f"{engine.plan.model_class}: with {axes} the parallel model's {what} on a "
+            f"probe batch is {got:.8g}, the model's own is {want:.8g} (relative "
+            f"difference {abs(got - want) / max(abs(want), 1e-30):.2e}, allowed "
+            f"{REDUCTION_RTOL:.0e}). This layout would train something else, so it is "
+            "refused; please report the model and the degrees")
+
+
+def _differ(got: float, want: float) -> bool:
+    return not math.isfinite(got) or abs(got - want) > REDUCTION_RTOL * abs(want)

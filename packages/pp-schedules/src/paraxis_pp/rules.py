@@ -30,7 +30,7 @@ def check_pipeline(config: ParallelConfig, model: ModelShape | None) -> list[Pro
             "schedule.microbatches", sched.microbatches, "interleaved 1F1B works on groups "
             f"of pipeline-degree ({par.pipeline}) microbatches",
             f"use a multiple of {par.pipeline}"))
-    if model is None or par.pipeline == 1:
+    if model is None or model.num_layers is None or par.pipeline == 1:
         return problems
     stages = par.pipeline * v
     if stages > model.num_layers:

@@ -13,7 +13,13 @@ Styles follow transformers' tensor-parallel plans:
 | ``rowwise_split_input``   | row parallel that splits its (full) input first          |
 | ``embedding_rowwise``     | vocab parallel embedding                                 |
 | ``replicated_with_grad_allreduce`` | kept whole; gradients summed over the group     |
-| ``replicate``, ``local_params``    | kept whole                                      |
+| ``replicate``, ``local_params``    | kept whole (``local_params``: its parameters    |
+|                           | have entries of their own, e.g. attention sinks)         |
+| ``moe_tp_experts``, ``all_reduce`` | a region around split parameters              |
+| ``moe_identity_expert``, ``mla_kv_a_proj`` | see :mod:`paraxis_tp.regions`         |
+
+A plan entry naming a *parameter* (3-D expert weights, per-head sinks) shards that
+parameter (:data:`paraxis_tp.regions.PARAM_STYLES`); its module keeps its forward.
 
 Any ``nn.Linear`` / ``nn.Embedding``, subclasses included, is sharded in place: its own
 forward still runs (see :mod:`paraxis_tp.layers`). Modules a pipeline stage does not own
@@ -39,18 +45,33 @@ the first receives its activations split and gathers them at its input.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
-from paraxis.collectives import all_gather, copy_to, split
+from paraxis.collectives import copy_to
 from paraxis.grid import AxisGroup
 from paraxis.placement import placement_of, set_placement
 from paraxis.plan import ModelPlan, PlanError
-from paraxis.stages import Absent
+from paraxis.stages import Absent, SkipLayer
 from paraxis_tp.cross_entropy import VocabParallelLoss
-from paraxis_tp.layers import SEQ_DIM, map_first_input, shard_column, shard_embedding, shard_row
+from paraxis_tp.layers import (
+    gather_tokens,
+    map_first_input,
+    shard_column,
+    shard_embedding,
+    shard_row,
+    split_tokens,
+)
+from paraxis_tp.regions import (
+    REGION_STYLES,
+    enter_region,
+    mla_rotary_entry,
+    scale_identity_expert,
+    shard_parameter,
+)
 from paraxis_tp.rng import TensorParallelRNG
 
 __all__ = ["SUPPORTED_STYLES", "TensorParallelApplied", "apply_tensor_plan"]
@@ -59,7 +80,8 @@ COLUMN = {"colwise", "packed_colwise", "colwise_gather_output"}
 ROW = {"rowwise", "rowwise_split_input"}
 KEEP = {"replicate", "local_params"}
 PARTIAL = {"replicated_with_grad_allreduce"}
-SUPPORTED_STYLES = sorted(COLUMN | ROW | KEEP | PARTIAL | {"embedding_rowwise"})
+OTHER = REGION_STYLES | {"moe_identity_expert", "mla_kv_a_proj"}
+SUPPORTED_STYLES = sorted(COLUMN | ROW | KEEP | PARTIAL | OTHER | {"embedding_rowwise"})
 
 
 class TensorParallelApplied:
@@ -71,6 +93,7 @@ class TensorParallelApplied:
         self.loss: VocabParallelLoss | None = None
         self.rng: TensorParallelRNG | None = None
         self.replaced: dict[str, str] = {}
+        self.entered: set[str] = set()  # blocks entered at their input
 
 
 def _padded(n: int, t: int) -> int:
@@ -96,6 +119,20 @@ def _styles(model: nn.Module, plan: ModelPlan) -> dict[str, str]:
     return styles
 
 
+def _param_styles(model: nn.Module, plan: ModelPlan) -> list[tuple[str, str, str]]:
+    """(module, parameter, style) for plan entries that name a parameter."""
+    found = []
+    for module_name, module in model.named_modules():
+        if isinstance(module, Absent):
+            continue
+        for name, param in module._parameters.items():
+            full = f"{module_name}.{name}" if module_name else name
+            style = plan.tensor_style(full) if param is not None else None
+            if style is not None:
+                found.append((module_name, name, style))
+    return found
+
+
 def apply_tensor_plan(model: nn.Module, plan: ModelPlan, group: AxisGroup, *,
                       sequence_parallel: bool, rng: TensorParallelRNG,
                       out: TensorParallelApplied, memo: dict[int, nn.Parameter]) -> None:
@@ -106,14 +143,21 @@ def apply_tensor_plan(model: nn.Module, plan: ModelPlan, group: AxisGroup, *,
     output_embedding = getattr(model, "get_output_embeddings", lambda: None)()
     rows = {n for n, s in styles.items() if s in ROW}
     parents_with_rows = {n.rpartition(".")[0] for n in rows}
-    enter = functools.partial(all_gather, group=group, dim=SEQ_DIM, grad="sum") if sp \
+    enter = functools.partial(gather_tokens, group=group, grad="sum") if sp \
         else functools.partial(copy_to, group=group)
     shared: dict[str, SharedEntry] = {}
     blocks: set[str] = set()  # blocks entered at their input
     split_blocks: set[str] = set()  # ...whose inner activations are split (heads, MLP)
+    for module_name, name, style in _param_styles(model, plan):
+        shard_parameter(model.get_submodule(module_name), name, style, group, memo,
+                        where=f"{module_name}.{name}")
+        out.replaced[f"{module_name}.{name}"] = style
     for name, style in styles.items():
         module = model.get_submodule(name)
-        if style in COLUMN:
+        if style in OTHER:
+            _apply_other(model, name, style, group, sp, blocks=parents_with_rows)
+            out.replaced[name] = style
+        elif style in COLUMN:
             _check_type(name, module, style, nn.Linear)
             is_logits = module is output_embedding
             parent = name.rpartition(".")[0]
@@ -151,6 +195,32 @@ def apply_tensor_plan(model: nn.Module, plan: ModelPlan, group: AxisGroup, *,
     for name in sorted(blocks):
         _enter_block(model.get_submodule(name), enter if sp else None,
                      rng if name in split_blocks else None, shared.get(name))
+    out.entered |= blocks
+
+
+def _apply_other(model: nn.Module, name: str, style: str, group: AxisGroup, sp: bool, *,
+                 blocks: set[str]) -> None:
+    """Regions, identity experts and MLA's latent key (:mod:`paraxis_tp.regions`)."""
+    module = model.get_submodule(name)
+    entered = [b for b in blocks if sp and (name == b or name.startswith(f"{b}."))]
+    if style in REGION_STYLES:
+        if entered:  # its tokens are gathered already; it would gather them twice
+            raise PlanError(f"{name}: style {style!r} inside block {entered[0]}, which "
+                            "sequence parallelism enters at its input, is not supported; "
+                            "set sequence_parallel: false")
+        enter_region(module, group, sequence_parallel=sp)
+    elif style == "moe_identity_expert":
+        scale_identity_expert(module, group)
+    elif not sp:  # mla_kv_a_proj
+        rope = getattr(getattr(model, "config", None), "qk_rope_head_dim", None)
+        if not isinstance(rope, int):
+            raise PlanError(f"{name}: style 'mla_kv_a_proj' needs the model config's "
+                            "qk_rope_head_dim (the rotary part of the latent key)")
+        mla_rotary_entry(module, group, rope)
+    elif name.rpartition(".")[0] not in blocks:
+        raise PlanError(f"{name}: style 'mla_kv_a_proj' under sequence parallelism needs "
+                        "its attention block entered at its input (a row-parallel output "
+                        "projection beside it)")
 
 
 class SharedEntry:
@@ -192,32 +262,62 @@ def _enter_block(block: nn.Module, enter: Callable | None, rng: TensorParallelRN
     block.register_forward_hook(post)
 
 
+# Children of a layer that mix information along the sequence (attention, state-space
+# and convolution mixers, linear attention, recurrences): under sequence parallelism each
+# must be a block the plan enters (gathering the sequence), or it would see 1/t of it.
+SEQUENCE_MIXERS = re.compile(r"(attn|attention|mixer|mamba|ssm|conv|recurrent|rnn|lstm|"
+                             r"time_mix|token_mix|temporal_block)$")
+
+
+def _layer_list(chunk: nn.Module, plan: ModelPlan) -> tuple[str, nn.ModuleList]:
+    """The pipeline plan's layer list, else the longest ModuleList (as recomputation)."""
+    for name in plan.pipeline:
+        if isinstance(_maybe(chunk, name), nn.ModuleList):
+            return name, chunk.get_submodule(name)
+    lists = [(n, m) for n, m in chunk.named_modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        raise PlanError(f"{plan.model_class}: sequence parallelism found no layer list")
+    return max(lists, key=lambda nm: len(nm[1]))
+
+
+def _check_mixers_entered(name: str, layers: nn.ModuleList, entered: set[str],
+                          model_class: str) -> None:
+    for i, layer in enumerate(layers):
+        if isinstance(layer, SkipLayer):
+            continue
+        for child, _ in layer.named_children():
+            full = f"{name}.{i}.{child}"
+            if SEQUENCE_MIXERS.search(child) and not any(
+                    b == full or b.startswith(f"{full}.") for b in entered):
+                raise PlanError(
+                    f"{model_class}: {full} mixes the sequence but the tensor plan enters "
+                    "none of it, so under sequence parallelism it would see 1/t of the "
+                    "sequence; set sequence_parallel: false (tensor parallelism without "
+                    "it runs this model)")
+
+
 def shard_sequence(chunk: nn.Module, plan: ModelPlan, group: AxisGroup,
                    out: TensorParallelApplied, *, first_layer: int, first_stage: bool) -> None:
     """Split the residual stream at the input of the chunk's first layer; on a stage
-    after the first, first gather the split activations the previous stage sent. Every
-    parameter still replicated over the tensor axis then sees only its rank's tokens, so
-    its gradient is partial (summed by :class:`PartialGradSync`)."""
-    layers = next((chunk.get_submodule(n) for n in plan.pipeline
-                   if isinstance(_maybe(chunk, n), nn.ModuleList)), None)
-    if layers is None:
-        raise PlanError(f"{plan.model_class}: sequence parallelism needs the layer list "
-                        "from the model's pipeline plan")
+    after the first, first gather the split activations the previous stage sent. A
+    parameter still replicated over the tensor axis that acts on the split stream (a
+    layer's norms) then sees only its rank's tokens, so its gradient is partial; one used
+    before the split (a learned position embedding) sees them all.
+    :class:`~paraxis_tp.strategy.PartialGradSync` tells them apart at the first backward.
+    A layer child that mixes the sequence without being entered is refused
+    (:data:`SEQUENCE_MIXERS`)."""
+    name, layers = _layer_list(chunk, plan)
+    _check_mixers_entered(name, layers, out.entered, plan.model_class)
     layers[first_layer].register_forward_pre_hook(
-        lambda m, args, kwargs: map_first_input(lambda x: split(x, group, dim=SEQ_DIM),
+        lambda m, args, kwargs: map_first_input(lambda x: split_tokens(x, group),
                                                 args, kwargs), with_kwargs=True)
     if not first_stage:
         # Every use of the gathered input is replicated over the tensor group (masks,
         # positions, then the split above), so its gradient is this rank's slice.
         chunk.register_forward_pre_hook(
             lambda m, args, kwargs: map_first_input(
-                lambda x: all_gather(x, group, dim=SEQ_DIM, grad="slice"), args, kwargs),
+                lambda x: gather_tokens(x, group, grad="slice"), args, kwargs),
             with_kwargs=True)
-    seen = {id(p) for p in out.partial_params}
-    for p in chunk.parameters():
-        if "tensor" in placement_of(p).replicated and id(p) not in seen:
-            out.partial_params.append(p)
-            seen.add(id(p))
 
 
 def _maybe(model: nn.Module, name: str) -> nn.Module | None:

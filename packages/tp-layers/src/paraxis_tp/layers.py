@@ -7,9 +7,11 @@ its weight is replaced by this rank's shard, with the placement record updated i
 same step, and forward hooks put core's collectives around it:
 
 * :func:`shard_column`: ``Y = X A`` with ``A``'s output features split; each rank
-  computes its slice of ``Y``. The input enters the region first (``enter``: Megatron's
-  f, or an all-gather along the sequence under sequence parallelism); optionally the
-  output is gathered (``gather_output``), padding columns cut.
+  computes its slice of ``Y`` (a subclass's own per-output-feature parameters, such as
+  a learned logit scale, are split with them). The input enters the region first
+  (``enter``: Megatron's f, or an all-gather along the sequence under sequence
+  parallelism); optionally the output is gathered (``gather_output``), padding columns
+  cut.
 * :func:`shard_row`: ``A``'s input features split; the module runs on this rank's slice
   of ``X`` *without* its bias, then the partial outputs are summed (all-reduce, or
   reduce-scatter along the sequence under sequence parallelism) and the bias added once.
@@ -17,7 +19,8 @@ same step, and forward hooks put core's collectives around it:
   own are looked up as row 0, their rows zeroed after the module's forward, and the
   partial embeddings summed.
 
-Shards are built by :func:`shard_rows`; ``memo`` maps a dense weight to its shard, so a
+Shards are built by :func:`shard_rows` (:func:`sharded_parameter` along any dimension,
+with its placement); ``memo`` maps a dense weight to its shard, so a
 weight two modules share (tied word embeddings) stays one parameter.
 """
 
@@ -33,10 +36,28 @@ from paraxis.collectives import all_gather, reduce_from, reduce_scatter, split
 from paraxis.grid import AxisGroup
 from paraxis.placement import placement_of, set_placement
 
-__all__ = ["SEQ_DIM", "map_first_input", "shard_column", "shard_embedding", "shard_row",
-           "shard_rows"]
+__all__ = ["SEQ_DIM", "gather_tokens", "map_first_input", "scatter_tokens", "shard_column",
+           "shard_embedding", "shard_row", "shard_rows", "sharded_parameter", "split_tokens"]
 
-SEQ_DIM = 1  # activations are (batch, sequence, hidden)
+# The token dimension: activations are (batch, sequence, hidden), or (tokens, hidden)
+# where a block flattens them first (Ernie-4.5's shared experts). Whatever a collective
+# returns along it is made contiguous: transformers views activations (Beam's MoE block).
+SEQ_DIM = -2
+
+
+def gather_tokens(x: torch.Tensor, group: AxisGroup, *, grad: str) -> torch.Tensor:
+    """All ranks' tokens (sequence parallel's entry; ``grad``: see ``all_gather``)."""
+    return all_gather(x, group, dim=SEQ_DIM, grad=grad).contiguous()
+
+
+def scatter_tokens(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """This rank's tokens of the sum over ``group`` (sequence parallel's exit)."""
+    return reduce_scatter(x, group, dim=SEQ_DIM).contiguous()
+
+
+def split_tokens(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """This rank's tokens (sequence parallel's first split)."""
+    return split(x, group, dim=SEQ_DIM).contiguous()
 
 
 def shard_rows(t: torch.Tensor, group: AxisGroup, *, parts: int = 1,
@@ -63,7 +84,7 @@ def shard_rows(t: torch.Tensor, group: AxisGroup, *, parts: int = 1,
     return local, start, real, per - real
 
 
-def _sharded(old: nn.Parameter, group: AxisGroup, memo: dict[int, nn.Parameter], *,
+def sharded_parameter(old: nn.Parameter, group: AxisGroup, memo: dict[int, nn.Parameter], *,
              dim: int = 0, parts: int = 1, padded: int | None = None) -> nn.Parameter:
     """The shard of ``old`` along ``dim`` over the tensor axis, with its placement."""
     if id(old) in memo:
@@ -96,9 +117,12 @@ def shard_column(linear: nn.Linear, group: AxisGroup, memo: dict[int, nn.Paramet
                  parts: int = 1, padded: int | None = None, gather_output: bool = False,
                  enter: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
     real_out = linear.out_features
-    linear.weight = _sharded(linear.weight, group, memo, parts=parts, padded=padded)
-    if linear.bias is not None:
-        linear.bias = _sharded(linear.bias, group, memo, parts=parts, padded=padded)
+    # The weight, the bias, and any parameter a subclass keeps per output feature (Dory's
+    # head scales each logit): the module's own forward applies them to its local slice.
+    for name, param in list(linear._parameters.items()):
+        if param is not None and param.ndim >= 1 and param.shape[0] == real_out:
+            linear._parameters[name] = sharded_parameter(param, group, memo, parts=parts,
+                                                         padded=padded)
     linear.out_features = linear.weight.shape[0]
     if enter is not None:
         linear.register_forward_pre_hook(
@@ -114,7 +138,7 @@ def shard_column(linear: nn.Linear, group: AxisGroup, memo: dict[int, nn.Paramet
 def shard_row(linear: nn.Linear, group: AxisGroup, memo: dict[int, nn.Parameter], *,
               split_input: bool = False, sequence_parallel: bool = False,
               on_enter: Callable[[], None] | None = None) -> None:
-    linear.weight = _sharded(linear.weight, group, memo, dim=1)
+    linear.weight = sharded_parameter(linear.weight, group, memo, dim=1)
     linear.in_features = linear.weight.shape[1]
 
     def pre(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -132,8 +156,7 @@ def shard_row(linear: nn.Linear, group: AxisGroup, memo: dict[int, nn.Parameter]
         bias = module._paraxis_bias
         if bias is not None:
             module._parameters["bias"] = bias
-        out = (reduce_scatter(out, group, dim=SEQ_DIM) if sequence_parallel
-               else reduce_from(out, group))
+        out = scatter_tokens(out, group) if sequence_parallel else reduce_from(out, group)
         return out if bias is None else out + bias
 
     linear.register_forward_pre_hook(pre, with_kwargs=True)
@@ -144,7 +167,7 @@ def shard_row(linear: nn.Linear, group: AxisGroup, memo: dict[int, nn.Parameter]
 def shard_embedding(emb: nn.Embedding, group: AxisGroup, memo: dict[int, nn.Parameter], *,
                     padded: int) -> None:
     rows = emb.num_embeddings
-    emb.weight = _sharded(emb.weight, group, memo, padded=padded)
+    emb.weight = sharded_parameter(emb.weight, group, memo, padded=padded)
     per = emb.weight.shape[0]
     start = group.rank * per
     end = min(start + per, rows)  # ids this rank owns

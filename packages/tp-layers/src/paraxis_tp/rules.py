@@ -23,14 +23,14 @@ def check_tensor(config: ParallelConfig, model: ModelShape | None) -> list[Probl
     divides(problems, "model.hidden_size", model.hidden_size, t, "tensor")
     divides(problems, "model.num_attention_heads", model.num_attention_heads, t, "tensor")
     divides(problems, "model.intermediate_size", model.intermediate_size, t, "tensor")
-    if model.kv_heads % t:
+    if model.kv_heads is not None and model.kv_heads % t:
         # Replicating kv heads over tensor ranks would make their gradients partial sums
         # over sub-groups of the tensor group; paraxis rejects it instead (documented).
         problems.append(Problem(
             "model.num_key_value_heads", model.kv_heads,
             f"must be divisible by the tensor degree {t} (kv heads are split, never "
             "replicated)", f"choose tensor among {divisors(model.kv_heads)}"))
-    if model.vocab_size < t:
+    if model.vocab_size is not None and model.vocab_size < t:
         problems.append(Problem(
             "model.vocab_size", model.vocab_size,
             f"must be at least the tensor degree {t} (it is padded to a multiple of it)",

@@ -16,9 +16,11 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from paraxis.collectives import all_reduce_
+from paraxis.collectives import all_gather_into, all_reduce_
 from paraxis.grid import AxisGroup
 from paraxis.launch import device_for_rank
+from paraxis.numerics import REDUCTION_RTOL
+from paraxis.placement import placement_of
 from paraxis.plan import ModelPlan
 from paraxis.stages import chunks_of
 from paraxis.strategy import ApplyContext, Phase, Strategy, SyncOrder
@@ -32,22 +34,39 @@ class PartialGradSync:
     """Sum the gradients of parameters that each tensor rank only partly saw (norms
     under sequence parallelism, ``replicated_with_grad_allreduce``), once per step and
     after data-parallel averaging (:class:`SyncOrder.PARTIAL`): the data-parallel
-    all-reduce may still be writing these very gradients until it finishes."""
+    all-reduce may still be writing these very gradients until it finishes.
+
+    ``candidates`` are the other parameters replicated over the group. At the first
+    backward (the parity probe's, or the first step's) their gradients are compared
+    across tensor ranks: one that differs saw only this rank's part of a split
+    activation (a layer's norm under sequence parallelism; an activation function's own
+    parameter between a column- and a row-parallel layer, or a per-head norm the plan did
+    not mark), so it is a partial sum too, and joins the summed ones (its placement says
+    so); one used on whole activations (a learned position embedding before the
+    sequence is split) has the same gradient everywhere and is left alone. Every rank
+    compares the same gathered numbers, so all decide alike; the probe's gradient norm
+    then checks the result, so a parameter this rule misjudges is refused, never
+    trained."""
 
     order = SyncOrder.PARTIAL
 
-    def __init__(self, params: list[nn.Parameter], group: AxisGroup):
-        self.params, self.group = params, group
+    def __init__(self, params: list[nn.Parameter], group: AxisGroup,
+                 candidates: list[nn.Parameter] | None = None):
+        self.params, self.group = list(params), group
+        seen = {id(p) for p in self.params}
+        self.candidates = [p for p in candidates or [] if id(p) not in seen]
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         yield  # nothing happens during backward; finish() does it all
 
     def finish(self) -> float:
+        start = time.perf_counter()
+        if self.candidates and self.group.size > 1:
+            self.params += self._partial_candidates()
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads or self.group.size == 1:
-            return 0.0
-        start = time.perf_counter()
+            return time.perf_counter() - start
         flat = torch.cat([g.reshape(-1) for g in grads])
         all_reduce_(flat, self.group)
         offset = 0
@@ -55,6 +74,30 @@ class PartialGradSync:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
         return time.perf_counter() - start
+
+    def _partial_candidates(self) -> list[nn.Parameter]:
+        """The candidates whose gradients differ across tensor ranks (see the class).
+        One whose gradient is zero on every rank (not used by this batch: an expert no
+        token reached) stays a candidate until a backward decides it."""
+        params = self.candidates
+        mine = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in params]).float()
+        every = torch.empty(self.group.size * mine.numel(), dtype=mine.dtype,
+                            device=mine.device)
+        all_gather_into(every, mine, self.group)
+        every = every.view(self.group.size, -1)
+        partial, undecided, offset = [], [], 0
+        for p in params:
+            seg = every[:, offset:offset + p.numel()]
+            offset += p.numel()
+            scale = float(seg.abs().max())
+            if scale == 0.0:
+                undecided.append(p)
+            elif float((seg - seg[0]).abs().max()) > REDUCTION_RTOL * scale:
+                partial.append(p)
+        self.candidates = undecided
+        mark_partial(partial)
+        return partial
 
 
 class TensorParallelStrategy(Strategy):
@@ -86,8 +129,11 @@ class TensorParallelStrategy(Strategy):
         if out.loss is not None:
             ctx.loss_fn = out.loss
         ctx.rng_streams["tensor_parallel"] = out.rng
-        if out.partial_params:
-            mark_partial(out.partial_params)
-            ctx.grad_syncs.append(PartialGradSync(out.partial_params, group))
+        mark_partial(out.partial_params)
+        seen = {id(p) for p in out.partial_params}
+        candidates = [p for chunk in chunks_of(model) for p in chunk.parameters()
+                      if "tensor" in placement_of(p).replicated and id(p) not in seen]
+        if out.partial_params or candidates:
+            ctx.grad_syncs.append(PartialGradSync(out.partial_params, group, candidates))
         ctx.extras["tensor_parallel"] = out
         return model

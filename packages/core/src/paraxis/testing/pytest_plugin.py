@@ -28,6 +28,14 @@ class WorldPool:
             self._worlds[world_size] = world
         return world.run(fn, *args, timeout=timeout)
 
+    def restart(self, world_size: int) -> None:
+        """Close the world of ``world_size``; the next run starts a fresh one (after a
+        failure that may have left a rank inside a collective)."""
+        world = self._worlds.pop(world_size, None)
+        if world is not None:
+            world.broken = True  # do not wait for ranks that may be stuck
+            world.close()
+
     def close(self) -> None:
         for world in self._worlds.values():
             world.close()

@@ -1,0 +1,100 @@
+"""The coverage matrix's parts that need no ranks: shrinking configs, telling text-only
+causal LMs apart, and the report's counts."""
+
+import pytest
+
+from paraxis_hf.coverage.checks import CHECKS, Outcome
+from paraxis_hf.coverage.families import Family, build_family, not_text_only
+from paraxis_hf.coverage.report import counts, render, rows_from_json, rows_to_json
+from paraxis_hf.coverage.runner import OWN_LOSS, Row
+from paraxis_hf.coverage.shrink import HIDDEN, LAYERS, VOCAB, choose_layers, tiny_config
+
+pytest.importorskip("transformers")
+
+
+def test_choose_layers_keeps_every_kind_of_layer():
+    five_to_one = ["sliding"] * 5 + ["full"]
+    assert choose_layers([five_to_one * 4], 24) == [0, 1, 2, 5]
+    assert choose_layers([[True] * 24], 24) == [0, 1, 2, 3]
+    dense_then_moe = ["dense"] * 3 + ["moe"] * 21
+    kv_shared = [False] * 20 + [True] * 4  # the last layers reuse another's cache
+    chosen = choose_layers([five_to_one * 4, dense_then_moe, kv_shared], 24)
+    for feature in (five_to_one * 4, dense_then_moe, kv_shared):
+        assert {feature[i] for i in chosen} == set(feature)
+
+
+@pytest.mark.parametrize(("family", "check"), [
+    # Sizes under their own names, head_dim derived.
+    ("gpt2", lambda c: (c.n_embd, c.n_layer, c.n_head) == (HIDDEN, LAYERS, 4)),
+    # Sliding and full layers both kept, the window exercised at the test length.
+    ("gemma3_text", lambda c: set(c.layer_types) == {"sliding_attention", "full_attention"}
+     and c.sliding_window == 8),
+    # NoPE layers kept in the per-layer list.
+    ("smollm3", lambda c: 0 in c.no_rope_layers and 1 in c.no_rope_layers),
+    # Latent attention: head_dim = nope + rope; experts 4, top-2, one expert group.
+    ("deepseek_v3", lambda c: (c.qk_nope_head_dim + c.qk_rope_head_dim, c.n_routed_experts,
+                               c.num_experts_per_tok, c.n_group) == (16, 4, 2, 1)),
+    # Special ids beyond the vocabulary mapped into it.
+    ("llama4_text", lambda c: c.vocab_size == VOCAB and max(
+        i for i in (c.bos_token_id, c.eos_token_id, c.pad_token_id) if i is not None) < VOCAB),
+    # An attribute_map alias written back under the field the constructor takes.
+    ("qwen3_moe", lambda c: c.num_experts == 4),
+])
+def test_tiny_configs_keep_what_the_family_is(family, check):
+    tiny = tiny_config(family)
+    assert tiny.error is None, tiny.error
+    assert check(tiny.config), tiny.overrides
+
+
+def test_relaxations_are_tried_and_recorded():
+    # Latent attention's validation wants one key/value head per query head here.
+    family = build_family("dots3_note_text", "Dots3NoteForCausalLM")
+    assert family.built and "mha" in family.relax and family.params < 2_000_000
+
+
+@pytest.mark.parametrize(("family", "class_name", "says"), [
+    ("gemma3", "Gemma3ForConditionalGeneration", "pixel_values"),
+    ("bart", "BartForCausalLM", "encoder-decoder"),
+    ("llama4", "Llama4ForCausalLM", "vision_config"),
+    ("llama", "LlamaForCausalLM", None),
+])
+def test_text_only_causal_lms_are_told_apart(family, class_name, says):
+    why = not_text_only(family, class_name)
+    assert (why is None) if says is None else (says in why), why
+
+
+def _row(model_type, shipped, cells, not_text=None, error=None):
+    family = Family(model_type, "X", not_text=not_text, error=error, shipped=shipped,
+                    overrides=None if (not_text or error) else {})
+    return Row(family, {k: Outcome(v) for k, v in cells.items()})
+
+
+def test_denominators_count_shipped_plans_and_built_types():
+    rows = [_row("a", ("tensor", "pipeline"), {"data=2": "pass", "tensor=2": "pass"}),
+            _row("b", ("tensor",), {"data=2": "pass", "tensor=2": "fail"}),
+            _row("c", ("tensor",), {}, error="does not build"),
+            _row("d", ("tensor",), {}, not_text="vision")]
+    c = counts(rows, ["data=2", "tensor=2", "pipeline=2"])
+    assert c["data=2"] == {"pass": 2, "fail": 0, "refused": 0, "of": 2}
+    assert c["tensor=2"] == {"pass": 1, "fail": 1, "refused": 0, "of": 3}  # c counts, d not
+    assert c["pipeline=2"]["of"] == 1
+    text = render(rows, CHECKS[:1], versions="v", seconds=60)
+    assert text.startswith("<!-- Generated") and "Do not edit by hand" in text
+    assert "| d | X | vision |" in text and "| c | t | does not build |" in text
+    again = rows_from_json(rows_to_json(rows))
+    assert [r.cells for r in again] == [r.cells for r in rows]
+    assert OWN_LOSS not in c
+
+
+def test_a_model_with_experts_is_compared_with_one_process_running_the_same_microbatches():
+    # The router's load-balancing loss is per forward: a pipeline's 2 microbatches train
+    # what one process accumulating the same 2 microbatches trains, not one forward.
+    from paraxis_hf.coverage.runner import Prepared, _reference_for
+
+    pipeline = next(c for c in CHECKS if c.name == "pipeline=2")
+    data = next(c for c in CHECKS if c.name == "data=2")
+    assert (pipeline.microbatches, data.microbatches) == (2, 1)
+    moe = Prepared(Family("m", "X", overrides={}, plans=("expert",)), {"losses": [1.0]}, 0.0,
+                   {2: {"losses": [2.0]}})
+    assert _reference_for(moe, pipeline) == {"losses": [2.0]}
+    assert _reference_for(moe, data) == {"losses": [1.0]}

@@ -1,0 +1,45 @@
+"""The coverage matrix's fixed sample, in ``nox -s tests``: families with a quirk that a
+shard or a stage must keep, through the matrix's own runner (the reference on a world
+of one, each check on two ranks, per-step loss and gradient norm at the shared
+tolerance). ``nox -s coverage`` runs every family and rewrites docs/coverage.md."""
+
+import pytest
+
+from paraxis_hf.coverage import available_checks, build_family, causal_lm_types, run_family
+from paraxis_hf.coverage.runner import OWN_LOSS
+
+SAMPLE = {
+    "gemma2": "scaled embeddings, attention and logit softcapping, sliding-window layers",
+    "smollm3": "NoPE layers, tied embeddings",
+    "phi3": "fused qkv and gate_up projections (colwise_gather_output)",
+    "qwen2": "biases on q, k and v",
+    "gpt_neox": "parallel attention and MLP, its own module names",
+    "mixtral": "mixture of experts: experts kept whole under tensor parallelism, router "
+               "loss per microbatch under a pipeline",
+}
+# The columns this package answers for (expert and context belong to their axes).
+COLUMNS = (OWN_LOSS, "data=2", "tensor=2", "tensor=2 SP", "pipeline=2")
+# Cells refused at parallelize time, by design, with words the reason must hold.
+REFUSED = {("mixtral", "tensor=2 SP"): "mixture-of-experts block"}
+
+
+@pytest.mark.parametrize("family", sorted(SAMPLE))
+def test_a_family_with_a_quirk_passes_every_column(worlds, family):
+    checks = [c for c in available_checks() if c.name in COLUMNS]
+    row = run_family(build_family(family, causal_lm_types()[family]), checks, worlds)
+    for column in COLUMNS:
+        cell, reason = row.cells[column], REFUSED.get((family, column))
+        if reason is None:
+            assert cell.status == "pass", (SAMPLE[family], column, cell.cell())
+        else:
+            assert cell.status == "refused" and reason in cell.detail, (column, cell.cell())
+
+
+def test_a_family_without_plans_is_refused_with_the_reason(worlds):
+    checks = [c for c in available_checks() if c.name in COLUMNS]
+    row = run_family(build_family("gpt2", "GPT2LMHeadModel"), checks, worlds)
+    assert row.cells[OWN_LOSS].status == row.cells["data=2"].status == "pass"
+    for column, axis in [("tensor=2", "tensor"), ("pipeline=2", "pipeline")]:
+        cell = row.cells[column]
+        assert cell.status == "refused", cell
+        assert f"GPT2LMHeadModel has no {axis}-parallel plan" in cell.detail
