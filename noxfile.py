@@ -36,6 +36,9 @@ def install_all(session: nox.Session) -> None:
     session.install(*(f"--editable={p}" for p in PACKAGES))
 
 
+# pytest-xdist: whole files per worker (module fixtures stay shared), at most 4 workers
+# (each may hold worlds of up to 8 ranks in memory).
+XDIST = ["-n", str(min(4, os.cpu_count() or 1)), "--dist", "loadfile"]
 # Tests never reach the W&B service; the code under test must not care.
 TEST_ENV = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
 
@@ -45,7 +48,7 @@ def tests(session: nox.Session) -> None:
     """Every package's tests and the cross-package tests, in one environment."""
     install_all(session)
     session.install(*DEV)
-    session.run("pytest", *session.posargs, env=TEST_ENV)
+    session.run("pytest", *XDIST, *session.posargs, env=TEST_ENV)
 
 
 def _with_test_extra(package: str) -> str:

@@ -71,6 +71,15 @@ def test_parameters_need_stage_3_and_pipeline_expert_are_refused():
     assert "paraxis's pipeline runner drives each stage's backward" in text
 
 
+def test_sequence_parallelism_is_refused():
+    # Which norms' gradients are partial sums is decided at the first backward, after
+    # DeepSpeed has already reduced them (tests/test_offload_tensor_parallel.py trained
+    # with SP drifted 3.7e-4 from paraxis's own run before this rule).
+    text = problems(data=2, tensor=2, zero=2, sequence_parallel=True,
+                    offload={"optimizer": "cpu"})
+    assert "parallelism.sequence_parallel = True: cannot combine with offload" in text
+
+
 def test_nvme_without_a_path_or_with_an_unwritable_one(tmp_path, monkeypatch):
     monkeypatch.setattr(rules, "aio_problem", lambda: None)
     text = problems(data=2, zero=3, offload={"optimizer": "nvme"})

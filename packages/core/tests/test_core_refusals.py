@@ -10,6 +10,7 @@ from torch import nn
 import paraxis
 from paraxis import ModelPlan, Phase, PlanError, Strategy
 from paraxis.hookspecs import hookimpl
+from paraxis.numerics import REDUCTION_RTOL
 from paraxis.plugins import make_plugin_manager
 from paraxis.stages import StageSpec, check_stages
 from paraxis.tiny import TINY_PLAN, TinyCalls, TinyConfig, TinyTransformer
@@ -51,12 +52,12 @@ def test_stages_that_do_not_reproduce_the_model_are_refused():
     assert (spec.layers, spec.embedding, spec.after, spec.head) == (
         "layers", "embed", ("norm",), "head")
     ranges = [(0, 2), (2, 4)]
-    check_stages(good, spec, ranges, TinyCalls(), vocab=CFG.vocab_size, rtol=1e-5)
+    check_stages(good, spec, ranges, TinyCalls(), vocab=CFG.vocab_size, rtol=REDUCTION_RTOL)
     for kind, says in [(ScalesInForward, "do not reproduce the model's own logits"),
                        (PositionsInForward, "embed lives on another pipeline stage")]:
         try:
             check_stages(kind(CFG), spec, ranges, TinyCalls(), vocab=CFG.vocab_size,
-                         rtol=1e-5)
+                         rtol=REDUCTION_RTOL)
         except PlanError as exc:
             assert says in str(exc) and kind.__name__ in str(exc), str(exc)
         else:

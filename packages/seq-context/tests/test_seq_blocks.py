@@ -8,6 +8,7 @@ from seq_reference import full_and_grads, qkv, reference
 
 from paraxis.collectives import CommStats
 from paraxis.grid import AxisGroup
+from paraxis.testing.tolerance import FP64_RTOL
 from paraxis_seq.blockwise import block_backward, block_forward, merge, plan_block, visible
 from paraxis_seq.ring import ring_attention, step_plan
 from paraxis_seq.ulysses import ulysses_attention
@@ -92,7 +93,7 @@ def test_blockwise_forward_merges_to_reference(causal, window):
         o, lb = block_forward(q[:, blk.rows], kb, vb, scale=d ** -0.5, mask=blk.mask)
         out[:, blk.rows], lse[:, :, blk.rows] = merge(out[:, blk.rows], lse[:, :, blk.rows],
                                                       o, lb)
-    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, want, rtol=FP64_RTOL, atol=FP64_RTOL)
 
 
 def test_merge_keeps_empty_rows_empty():
@@ -113,9 +114,9 @@ def test_block_backward_matches_autograd(causal):
         o, lse = block_forward(q, k, v, scale=scale, mask=mask)
         delta = (dout * o).sum(-1).transpose(1, 2)
         got = block_backward(dout, q, k, v, lse, delta, scale=scale, mask=mask)
-    torch.testing.assert_close(o, out.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(o, out.detach(), rtol=FP64_RTOL, atol=FP64_RTOL)
     for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(g, w, rtol=FP64_RTOL, atol=FP64_RTOL)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -148,7 +149,7 @@ def test_one_rank_is_full_attention(attn):
     out = attn(q, k, v, group=_alone(), causal=True, window=6)
     got = (out, *torch.autograd.grad(out, (q, k, v), dout))
     for g, w in zip(got, full_and_grads(q, k, v, dout, causal=True, window=6), strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(g, w, rtol=FP64_RTOL, atol=FP64_RTOL)
 
 
 @pytest.mark.parametrize("attn", [ring_attention, ulysses_attention])

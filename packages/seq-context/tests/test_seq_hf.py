@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from paraxis.collectives import CommStats, all_reduce_
 from paraxis.grid import AxisGroup, Grid
+from paraxis.testing.tolerance import FP64_RTOL
 from paraxis_seq.hf_attention import attention_function, interceptable, use_context_attention
 from paraxis_seq.zigzag import shard
 
@@ -67,7 +68,7 @@ def test_one_process_matches_sdpa(family, mode):
     want = _logits(model, ids)
     assert use_context_attention(model, _alone(), mode=mode) == f"paraxis_{mode}"
     assert model.config._attn_implementation == f"paraxis_{mode}"
-    torch.testing.assert_close(_logits(model, ids), want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(_logits(model, ids), want, rtol=FP64_RTOL, atol=FP64_RTOL)
 
 
 @pytest.mark.parametrize("family,reason", [

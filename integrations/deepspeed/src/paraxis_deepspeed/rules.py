@@ -48,6 +48,14 @@ def check_offload(config: ParallelConfig, problems: list[Problem]) -> None:
             "parallelism.expert", par.expert, "cannot combine with offload: DeepSpeed averages "
             "every gradient over its data-parallel group, but paraxis's expert shards must "
             "average over data x context only", "use expert=1 with offload"))
+    if par.sequence_parallel and par.tensor > 1:
+        problems.append(Problem(
+            "parallelism.sequence_parallel", True, "cannot combine with offload: which "
+            "replicated parameters' gradients are partial sums over the tensor group (the "
+            "norms that see only a rank's share of the sequence) is decided at the first "
+            "backward, after the gradients are summed; DeepSpeed's engine reduces and "
+            "partitions each gradient inside that backward, before the decision could apply",
+            "set sequence_parallel: false with offload"))
     if "nvme" in (off.optimizer, off.parameters):
         _check_nvme(off.nvme_path, problems)
 

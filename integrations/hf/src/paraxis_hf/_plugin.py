@@ -38,3 +38,17 @@ def paraxis_stage_calls(model: Any, plan: Any) -> Any:
     from paraxis_hf.stage import HFStageCalls
 
     return HFStageCalls(getattr(model, "base_model_prefix", "model"))
+
+
+@hookimpl
+def paraxis_load_pretrained(directory: str, config: dict[str, Any]) -> Any:
+    from paraxis_hf.pretrained import from_pretrained
+
+    return from_pretrained(directory, **config)
+
+
+@hookimpl
+def paraxis_checkpoint_commands(verbs: Any) -> None:
+    from paraxis_hf.export import add_export_command
+
+    add_export_command(verbs)

@@ -16,7 +16,7 @@ from paraxis.optim import WarmupCosine, build_adamw
 from paraxis.plan import PLANNED_AXES, ModelPlan, find_plan
 from paraxis.plugins import make_plugin_manager
 from paraxis.run_config import TrainSection
-from paraxis.strategy import ApplyContext, apply_parallelism, resolve_strategies
+from paraxis.strategy import ApplyContext, apply_parallelism, deferred, resolve_strategies
 from paraxis.validation import ModelShape, validate
 from paraxis.verify import Probe
 
@@ -106,9 +106,12 @@ def parallelize(
     init_distributed()
     grid = Grid.build(config)
     device = device_for_rank()
-    model.to(device)
+    lazy = deferred(model)  # on the meta device until each rank reads its slices
+    if not lazy:
+        model.to(device)
     probe = None
-    if verify and grid.world_size > 1:
+    # The probe runs the whole model before the split: a deferred model has no whole.
+    if verify and grid.world_size > 1 and not lazy:
         vocab = model_shape.vocab_size if model_shape else getattr(
             getattr(model, "config", None), "vocab_size", None)
         probe = Probe.before(model, config, seq_length=train_cfg.seq_length, vocab=vocab,

@@ -51,8 +51,8 @@ from paraxis.placement import Placement, placement_of
 if TYPE_CHECKING:
     from paraxis.engine import Engine
 
-__all__ = ["FORMAT_VERSION", "CheckpointError", "load_checkpoint", "resolve",
-           "save_checkpoint"]
+__all__ = ["FORMAT_VERSION", "CheckpointError", "load_checkpoint", "read_model_tensors",
+           "resolve", "save_checkpoint"]
 
 
 def _pieces(t: torch.Tensor, p: Placement) -> list[tuple[str, torch.Tensor, list[int],
@@ -375,3 +375,21 @@ def load_checkpoint(engine: Engine, directory: str | os.PathLike[str], *,
         version, internal, gauss = index["python_rng"][rank]
         random.setstate((version, tuple(internal), gauss))
     barrier(engine.grid.world)
+
+
+def read_model_tensors(directory: str | os.PathLike[str], *, verify: bool = True,
+                       ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The index and every model tensor of a checkpoint, whole, assembled from its shards
+    on whatever grid wrote it (one process, no process group). Keys are the global
+    parameter names; a packed dimension's blocks keep their ``#partK`` suffix (the
+    caller knows along which dimension they go). For exporters (paraxis-hf's
+    ``paraxis checkpoint export-hf``)."""
+    ckpt = resolve(directory)
+    index = read_index(ckpt)
+    reader = _Reader(ckpt, index, verify=verify)
+    out = {}
+    for key, entry in index["tensors"].items():
+        if key.startswith("model/"):
+            out[key.removeprefix("model/")] = reader.read(
+                key, [[0, n] for n in entry["shape"]])
+    return index, out

@@ -72,9 +72,13 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_checkpoint_commands(subparsers: Any) -> None:
+def add_checkpoint_commands(subparsers: Any, plugin_manager: Any = None) -> None:
+    """``paraxis checkpoint inspect``, and the verbs plugins add
+    (``paraxis_checkpoint_commands``: paraxis-hf's ``export-hf``)."""
     ckpt = subparsers.add_parser("checkpoint", help="inspect or convert checkpoints")
     verbs = ckpt.add_subparsers(dest="verb", required=True)
+    if plugin_manager is not None:
+        plugin_manager.hook.paraxis_checkpoint_commands(verbs=verbs)
     inspect = verbs.add_parser("inspect", help=_inspect.__doc__)
     inspect.add_argument("dir", help="a checkpoint directory (or its parent with latest)")
     inspect.add_argument("--verify", action="store_true",

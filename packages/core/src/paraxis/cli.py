@@ -135,8 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_launch_arguments(tr)
     tr.set_defaults(func=_cmd_train)
     add_plan_parser(sub)
-    add_checkpoint_commands(sub)
-    make_plugin_manager().hook.paraxis_cli_commands(subparsers=sub)
+    pm = make_plugin_manager()
+    add_checkpoint_commands(sub, pm)
+    pm.hook.paraxis_cli_commands(subparsers=sub)
     return parser
 
 

@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from paraxis.comm_stats import CommStats
 from paraxis.liveness import guard
 
 if TYPE_CHECKING:
@@ -58,46 +58,6 @@ __all__ = [
     "reduce_scatter_into",
     "split",
 ]
-
-
-@dataclass
-class CommStats:
-    """Bytes and blocked seconds per (axes, op) for one grid; ``since(mark)`` gives the
-    totals of one step."""
-
-    bytes: dict[tuple[str, str], float] = field(default_factory=dict)
-    seconds: dict[tuple[str, str], float] = field(default_factory=dict)
-    calls: dict[tuple[str, str], int] = field(default_factory=dict)
-
-    def add(self, axes: tuple[str, ...], op: str, nbytes: float = 0.0,
-            seconds: float = 0.0, calls: int = 1) -> None:
-        key = ("x".join(axes) or "self", op)
-        self.bytes[key] = self.bytes.get(key, 0.0) + nbytes
-        self.seconds[key] = self.seconds.get(key, 0.0) + seconds
-        self.calls[key] = self.calls.get(key, 0) + calls
-
-    def mark(self) -> dict[str, dict[tuple[str, str], float]]:
-        return {"bytes": dict(self.bytes), "seconds": dict(self.seconds)}
-
-    def since(self, mark: dict[str, dict[tuple[str, str], float]] | None = None,
-              ) -> dict[str, dict[tuple[str, str], float]]:
-        """Per-key differences from ``mark`` (everything when None)."""
-        mark = mark or {"bytes": {}, "seconds": {}}
-        return {kind: {k: v - mark[kind].get(k, 0.0) for k, v in getattr(self, kind).items()
-                       if v - mark[kind].get(k, 0.0)}
-                for kind in ("bytes", "seconds")}
-
-    def bytes_by_axis(self, mark: Any = None) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for (axes, _), n in self.since(mark)["bytes"].items():
-            out[axes] = out.get(axes, 0.0) + n
-        return out
-
-    def total_seconds(self, mark: Any = None) -> float:
-        return sum(self.since(mark)["seconds"].values())
-
-    def total_bytes(self, mark: Any = None) -> float:
-        return sum(self.since(mark)["bytes"].values())
 
 
 # torch 2.13 renamed the flat collectives (the old names warn); torch >= 2.6 is supported.
@@ -182,7 +142,11 @@ def _gather(x: torch.Tensor, dim: int, group: AxisGroup) -> torch.Tensor:
     out = torch.empty((group.size * moved.shape[0], *moved.shape[1:]), dtype=x.dtype,
                       device=x.device)
     all_gather_into(out, moved, group)
-    return out.movedim(0, dim)
+    # Contiguous once here: every consumer (q, k and v projections of one gathered
+    # block input) would otherwise copy the strided view itself, and autograd would
+    # keep each copy for the backward (issue 15's measurement: 3 copies per attention
+    # block under sequence parallelism).
+    return out.movedim(0, dim).contiguous()
 
 
 def _scatter_sum(x: torch.Tensor, dim: int, group: AxisGroup) -> torch.Tensor:

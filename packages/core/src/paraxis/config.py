@@ -105,9 +105,14 @@ class MoEConfig(_Section):
 class CheckpointConfig(_Section):
     """What a checkpoint holds (DESIGN section 6)."""
 
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
     format: Literal["distributed"] = "distributed"
     save_rng_state: bool = True
     save_data_position: bool = True
+    # ``async: true``: snapshot to host memory, write in a background thread
+    # (paraxis.checkpoint_async); the step waits only for the snapshot.
+    async_save: bool = Field(default=False, alias="async")
 
 
 class ParallelConfig(_Section):

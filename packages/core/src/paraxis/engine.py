@@ -77,6 +77,7 @@ class Engine:
         # Set by the trainer (paraxis.lifecycle.StopRequest): a signal asks every rank to
         # stop after the same step; the per-step all-gather carries the flag.
         self.stop_request: Any = None
+        self._saver: Any = None  # paraxis.checkpoint_async.AsyncSaver, on first async save
 
     # ---- steps -----------------------------------------------------------------------
 
@@ -299,6 +300,7 @@ class Engine:
     def close(self) -> None:
         """Release the model, optimizer and grid groups (collective). The default group
         stays; :func:`paraxis.shutdown` leaves it."""
+        self.wait_for_checkpoint()
         for sync in self.ctx.grad_syncs:
             remove = getattr(sync, "remove_hooks", None)
             if remove is not None:
@@ -311,14 +313,28 @@ class Engine:
         self.grid.destroy()
 
     def save(self, directory: str) -> str:
-        """Write a checkpoint (DESIGN section 6) under ``directory``; returns its path."""
+        """Write a checkpoint (DESIGN section 6) under ``directory``; returns its path.
+        With ``checkpoint.async`` only the snapshot happens now; the files are written
+        in the background (:mod:`paraxis.checkpoint_async`, :meth:`wait_for_checkpoint`)."""
         from paraxis.checkpoint import save_checkpoint
 
+        if self.config.checkpoint.async_save:
+            from paraxis.checkpoint_async import AsyncSaver
+
+            if self._saver is None:
+                self._saver = AsyncSaver()
+            return self._saver.save(self, directory)
         return save_checkpoint(self, directory)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until a background checkpoint write finished (raises its error)."""
+        if self._saver is not None:
+            self._saver.wait()
 
     def load(self, directory: str, *, verify: bool = True) -> None:
         """Restore from ``directory`` (its ``latest`` pointer, or a step directory);
         ``verify`` checks every file's checksum first."""
         from paraxis.checkpoint import load_checkpoint
 
+        self.wait_for_checkpoint()
         load_checkpoint(self, directory, verify=verify)

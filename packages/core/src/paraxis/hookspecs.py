@@ -67,6 +67,17 @@ def paraxis_build_model(family: str, config: dict[str, Any]) -> Any:
 
 
 @hookspec(firstresult=True)
+def paraxis_load_pretrained(directory: str, config: dict[str, Any]) -> Any:
+    """A model of the weights saved in ``directory`` (``model.pretrained``), its config
+    fields overridden by ``config``, or None. Called by
+    :func:`paraxis.trainer.build_model` when ``model.pretrained`` is set. paraxis-hf
+    answers for ``save_pretrained`` directories, building on the meta device so that
+    ``parallelize`` reads each rank's slices only
+    (``paraxis.strategy.MATERIALIZE_ATTR``). firstresult.
+    """
+
+
+@hookspec(firstresult=True)
 def paraxis_model_context(config: Any) -> Any:
     """A context manager to construct the model in, or None (build it whole).
 
@@ -136,4 +147,13 @@ def paraxis_log_figure(name: str, svg: str, step: int) -> None:
 
     Called by the trainer on the logging rank after the last step. Logging plugins store
     it (paraxis-wandb as an HTML panel); must never raise. Not firstresult.
+    """
+
+
+@hookspec
+def paraxis_checkpoint_commands(verbs: Any) -> None:
+    """Add verbs under ``paraxis checkpoint`` (argparse subparsers of that command; each
+    sets ``func`` like :func:`paraxis_cli_commands`). paraxis-hf adds ``export-hf``.
+    Called by :func:`paraxis.checkpoint_inspect.add_checkpoint_commands` once. Not
+    firstresult.
     """

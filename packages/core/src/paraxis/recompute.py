@@ -24,6 +24,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -88,7 +89,18 @@ def _wrap(module: nn.Module, streams: dict[str, Any]) -> None:
         def contexts() -> tuple[Any, Any]:
             return contextlib.nullcontext(), replay
 
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+        # Tensors given by keyword reach checkpoint positionally: it keeps keyword
+        # arguments by reference, outside saved_tensors_hooks, where offloading hooks and
+        # the planner's measurement (issue 15) could not see the block's input.
+        names = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        rest = {k: v for k, v in kwargs.items() if k not in names}
+
+        def call(*flat: Any) -> Any:
+            n = len(flat) - len(names)
+            return forward(*flat[:n], **rest, **dict(zip(names, flat[n:], strict=True)))
+
+        return checkpoint(call, *args, *(kwargs[k] for k in names), use_reentrant=False,
+                          context_fn=contexts)
 
     module.forward = recomputed  # type: ignore[method-assign]
 

@@ -27,6 +27,9 @@ class ModelSection(_Section):
 
     family: str = "tiny"
     config: dict[str, Any] = Field(default_factory=dict)
+    # A save_pretrained directory to start from (its config gives the family; ``config``
+    # overrides fields); each rank reads only its slices of the weights.
+    pretrained: str | None = None
 
 
 class TrainSection(_Section):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import types
+import warnings
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -228,6 +229,12 @@ def check_stages(model: nn.Module, spec: StageSpec, ranges: list[tuple[int, int]
     logits with the whole model's; raise :class:`PlanError` with the reason if they
     differ by more than ``rtol`` (relative to the largest logit) or a stage fails."""
     kwargs = dict(forward_kwargs or {})
+    if next(model.parameters()).is_meta:
+        # A model still on the meta device (loaded slice by slice after the split) has
+        # no values to run; its family's stages are checked in the test suite.
+        warnings.warn(f"{type(model).__name__} is on the meta device: the pipeline "
+                      "stages are not checked against its own forward", stacklevel=2)
+        return
     ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
     ids = ids.to(next(model.parameters()).device)
     name = type(model).__name__

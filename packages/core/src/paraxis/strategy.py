@@ -39,6 +39,7 @@ __all__ = [
     "SyncOrder",
     "apply_parallelism",
     "apply_strategies",
+    "deferred",
     "missing_axes",
     "required_axes",
     "resolve_strategies",
@@ -272,12 +273,31 @@ def resolve_strategies(config: ParallelConfig, pm: pluggy.PluginManager, *,
     return sorted(chosen, key=lambda cls: (cls.phase, cls.axis))
 
 
+# A model built on the meta device (paraxis_hf.from_pretrained) carries, under this
+# attribute, a callable ``(model) -> None`` that gives every parameter still on the meta
+# device its real data: only this rank's slice, read through its placement. Core calls
+# it once the layout is known (after the SPLIT and PARTITION phases) and before any
+# WRAP or DATA strategy sees a parameter.
+MATERIALIZE_ATTR = "paraxis_materialize"
+
+
+def deferred(model: nn.Module) -> bool:
+    """Whether ``model``'s parameters wait on the meta device for their data."""
+    return callable(getattr(model, MATERIALIZE_ATTR, None))
+
+
 def apply_strategies(model: nn.Module, ctx: ApplyContext,
                      strategies: list[type[Strategy]]) -> nn.Module:
+    materialize = getattr(model, MATERIALIZE_ATTR, None)
     for cls in sorted(strategies, key=lambda c: (c.phase, c.axis)):
+        if materialize is not None and cls.phase >= Phase.WRAP:
+            materialize(model)
+            materialize = None
         strategy = cls()
         model = strategy.apply(model, ctx)
         ctx.strategies.append(strategy)
+    if materialize is not None:
+        materialize(model)
     return model
 
 

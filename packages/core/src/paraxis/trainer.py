@@ -27,8 +27,17 @@ __all__ = ["build_model", "train"]
 
 
 def build_model(spec: ModelSection, plugin_manager: Any, *, seed: int = 0) -> nn.Module:
-    """``tiny`` is built here; any other family by the first plugin that knows it."""
+    """``tiny`` is built here; any other family, or ``pretrained`` weights, by the first
+    plugin that knows it."""
     torch.manual_seed(seed)  # every rank starts from the same weights
+    if spec.pretrained:
+        model = plugin_manager.hook.paraxis_load_pretrained(directory=spec.pretrained,
+                                                            config=spec.config)
+        if model is None:
+            raise ValueError(f"model.pretrained {spec.pretrained!r}: no installed plugin "
+                             "loads it; for save_pretrained directories: pip install "
+                             "paraxis-hf")
+        return model
     if spec.family == "tiny":
         return TinyTransformer(TinyConfig(**spec.config))
     model = plugin_manager.hook.paraxis_build_model(family=spec.family, config=spec.config)
@@ -129,7 +138,8 @@ def train(cfg: RunConfig, history: list[dict[str, float]] | None = None) -> dict
     pm = make_plugin_manager()
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     model_spec = cfg.model
-    if cfg.model.family == "tiny" and "vocab_size" not in cfg.model.config:
+    if (cfg.model.family == "tiny" and not cfg.model.pretrained
+            and "vocab_size" not in cfg.model.config):
         model_spec = cfg.model.model_copy(update={"config": {
             **cfg.model.config, "vocab_size": tokenizer.vocab_size,
             "seq_length": cfg.train.seq_length}})
@@ -180,6 +190,7 @@ def train(cfg: RunConfig, history: list[dict[str, float]] | None = None) -> dict
             if every and engine.step % every == 0 and not last:
                 _save(engine, cfg)
     _save(engine, cfg)
+    engine.wait_for_checkpoint()  # an async save is on disk before the run reports it
     signals.uninstall()
     if engine.stop_agreed and logging:
         command = os.environ.get("PARAXIS_COMMAND", "the same command")

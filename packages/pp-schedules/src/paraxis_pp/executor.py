@@ -27,6 +27,7 @@ from torch import nn
 
 from paraxis.batch import Batch
 from paraxis.grid import AxisGroup
+from paraxis.launch import device_for_rank
 from paraxis.liveness import guard
 from paraxis.strategy import ApplyContext
 from paraxis_pp.schedules import Action, Schedule
@@ -83,6 +84,8 @@ class PipelineRunner:
         self.rank = group.rank
         self.forward_kwargs, self.hidden = forward_kwargs, hidden
         self.device = next(p for c in chunks for p in c.parameters()).device
+        if self.device.type == "meta":  # weights read after the split (from_pretrained)
+            self.device = device_for_rank()
         # (action, start, end) in the machine's monotonic clock, shared by local ranks.
         self.timeline: list[tuple[Action, float, float]] = []
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from paraxis.collectives import all_gather_into, all_reduce_
 from paraxis.grid import AxisGroup
+from paraxis.launch import device_for_rank
 from paraxis.numerics import REDUCTION_RTOL
 from paraxis.placement import placement_of
 from paraxis.plan import ModelPlan
@@ -110,6 +111,8 @@ class TensorParallelStrategy(Strategy):
         group = ctx.grid.group("tensor")
         sp = ctx.config.parallelism.sequence_parallel
         device = next(model.parameters()).device
+        if device.type == "meta":  # weights read after the partition (from_pretrained)
+            device = device_for_rank()
         out = TensorParallelApplied()
         out.rng = TensorParallelRNG(torch.initial_seed(), group.rank, device)
         memo: dict[int, nn.Parameter] = {}

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 from paraxis.config import AXES, ParallelConfig
 from paraxis.planner.inputs import Workload
+from paraxis.planner.memory import BYTES_PER_PARAM
 from paraxis.planner.model import ModelCounts
 from paraxis.planner.schedule import rank_chunks
 
@@ -103,11 +104,13 @@ def communication(counts: ModelCounts, layout: ParallelConfig, work: Workload, *
                          link("data", "expert", "context")))
     if t > 1:
         replays = {"none": 0, "selective": 1, "full": 2}[sched.activation_checkpointing]
-        volume = (4 + replays) * 2 * tokens * h * (t - 1) / t * el * layers * m
+        volume = max(_tensor_stage(counts, layout, work, r, layer_ids)
+                     for r, layer_ids in enumerate(per_rank))
         op = "all-gather + reduce-scatter" if par.sequence_parallel else "all-reduce"
         out.append(AxisComm("tensor", op, volume, t, link("tensor"),
                             "none: on the critical path inside every layer",
-                            f"{4 + replays} per layer per microbatch"))
+                            f"{4 + replays} per layer per microbatch, plus the "
+                            "vocabulary-parallel ends"))
     if p > 1:
         message = tokens * h * el / (t if par.sequence_parallel else 1)
         sends = _pipeline_sends(p, v)
@@ -123,6 +126,37 @@ def communication(counts: ModelCounts, layout: ParallelConfig, work: Workload, *
     if c > 1:
         out.append(_context(counts, layout, work, layers, link("context")))
     return out
+
+
+def _tensor_stage(counts: ModelCounts, layout: ParallelConfig, work: Workload, rank: int,
+                  layer_ids: list[int]) -> float:
+    """Tensor-axis bytes of pipeline rank ``rank`` per step: Megatron's 4 (+ replays) per
+    layer, and at the ends of the model the vocabulary-parallel layers: the embedding's
+    all-reduce (reduce-scatter + all-gather under SP) of b·s·h, the head's input
+    all-reduced in backward (+ its all-gather forward under SP), the cross-entropy's
+    max and (target logit, sum of exp) all-reduces over b·s fp32 values; under SP a
+    stage after the first all-gathers the sequence-split input it received, and the
+    norms' partial weight gradients are all-reduced once per step."""
+    par, sched = layout.parallelism, layout.schedule
+    t, m, el, sp = par.tensor, sched.microbatches, work.element_size, par.sequence_parallel
+    ring = (t - 1) / t
+    tokens = work.micro_batch * work.seq / par.context
+    sbh = tokens * counts.hidden_size * el
+    replays = {"none": 0, "selective": 1, "full": 2}[sched.activation_checkpointing]
+    per_mb = (4 + replays) * 2 * sbh * ring * len(layer_ids)
+    first, last = rank == 0, rank == par.pipeline - 1
+    if first:
+        per_mb += 2 * sbh * ring
+    elif sp:  # a later stage gathers the sequence-split activations it received
+        per_mb += sbh * ring
+    if last:
+        per_mb += (3 if sp else 2) * sbh * ring + 3 * 2 * tokens * 4 * ring
+    once = 0.0
+    if sp:  # norms (vectors) are replicated over tensor ranks that saw different tokens
+        vectors = sum(counts.layers[i].vectors for i in layer_ids) \
+            + (counts.final if last else 0)
+        once = 2 * vectors * BYTES_PER_PARAM[work.precision][1] * ring
+    return per_mb * m + once
 
 
 def _data(layout: ParallelConfig, el: int, dense: float, expert: float, link: str,

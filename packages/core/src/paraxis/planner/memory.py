@@ -32,6 +32,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paraxis.config import ParallelConfig
+from paraxis.planner.activations import (
+    exact_head_bytes,
+    exact_layer_bytes,
+    exact_stage_bytes,
+    is_exact,
+)
 from paraxis.planner.inputs import Workload
 from paraxis.planner.model import LayerCount, ModelCounts
 from paraxis.planner.schedule import alive_units, rank_chunks
@@ -135,28 +141,52 @@ def rank_memory(counts: ModelCounts, layout: ParallelConfig, work: Workload,
         dense, expert, zero=par.zero, n_dense=d * e * c, n_expert=d * c,
         precision=work.precision)
 
-    el = work.element_size
     alive = alive_units(sched.pipeline_schedule, p, m, v, rank)
-    shape = dict(s=work.seq, b=work.micro_batch, h=counts.hidden_size, a=counts.num_heads,
-                 t=t, sp=par.sequence_parallel, recompute=sched.activation_checkpointing,
-                 element=el, context=c)
-    dense_layer = layer_activation_bytes(**shape)
-    moe_layer = layer_activation_bytes(**shape, top_k=counts.top_k)
+    acts = _activations(counts, layout, work, rank, alive)
+    buffers, notes = _buffers(counts, layout, work, layers)
+    notes.update(layers=len(layers), alive_microbatches=alive, chunks=len(chunks))
+    return Memory(rank, weights, grads, optim, acts, buffers, notes)
+
+
+def _activations(counts: ModelCounts, layout: ParallelConfig, work: Workload, rank: int,
+                 alive: int) -> float:
+    """Activation bytes on pipeline rank ``rank`` with ``alive`` microbatch units held:
+    counted from the layer structure when :mod:`~paraxis.planner.activations` knows it,
+    else Korthikanti's per-layer constants."""
+    par, sched = layout.parallelism, layout.schedule
+    t, p, c = par.tensor, par.pipeline, par.context
+    shape = dict(s=work.seq, b=work.micro_batch, t=t, sp=par.sequence_parallel,
+                 recompute=sched.activation_checkpointing, element=work.element_size,
+                 context=c)
+    if is_exact(counts):
+        ulysses = c > 1 and work.context_impl == "ulysses"
+        dense_layer = exact_layer_bytes(counts, **shape, ulysses=ulysses)
+        moe_layer = exact_layer_bytes(counts, **shape, moe=True, ulysses=ulysses)
+    else:
+        dense_layer = layer_activation_bytes(**shape, h=counts.hidden_size,
+                                             a=counts.num_heads)
+        moe_layer = layer_activation_bytes(**shape, h=counts.hidden_size,
+                                           a=counts.num_heads, top_k=counts.top_k)
     per_chunk = []
-    for start, n in chunks:
+    for start, n in rank_chunks(counts.num_layers, p, sched.virtual_stages)[rank]:
         moe = sum(1 for i in range(start, start + n) if counts.layers[i].experts)
         per_chunk.append(moe * moe_layer + (n - moe) * dense_layer)
     # Alive units are taken from the rank's chunks in turn (warm-up runs chunk by chunk).
     acts = sum(per_chunk) / len(per_chunk) * alive
-    if last:
+    last_alive = alive_units(sched.pipeline_schedule, p, sched.microbatches, 1, p - 1)
+    if is_exact(counts):
+        sp = par.sequence_parallel
+        acts += alive * exact_stage_bytes(counts, work, t=t, sp=sp, context=c,
+                                          first=rank == 0)
+        if rank == p - 1:
+            acts += last_alive * exact_head_bytes(counts, work, t=t, sp=sp, context=c)
+        return acts
+    if rank == p - 1:
         sbh = work.seq * work.micro_batch * counts.hidden_size
         shard = t if par.sequence_parallel else 1
         logits = 4 * work.seq * work.micro_batch * counts.vocab_size / t
-        acts += (2 * el * sbh / shard + logits) / c * alive_units(
-            sched.pipeline_schedule, p, m, 1, p - 1)
-    buffers, notes = _buffers(counts, layout, work, layers)
-    notes.update(layers=len(layers), alive_microbatches=alive, chunks=len(chunks))
-    return Memory(rank, weights, grads, optim, acts, buffers, notes)
+        acts += (2 * work.element_size * sbh / shard + logits) / c * last_alive
+    return acts
 
 
 def _buffers(counts: ModelCounts, layout: ParallelConfig, work: Workload,

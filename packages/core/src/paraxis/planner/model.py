@@ -82,6 +82,10 @@ class ModelCounts:
     num_experts: int = 0
     top_k: int = 1
     max_seq: int | None = None
+    # "llama" when a layer is two RMSNorms, fused attention and a gated MLP (counted
+    # tensor by tensor, planner.activations); else Korthikanti's GPT-3 constants.
+    block: str = "korthikanti"
+    expert_intermediate: int | None = None
 
     @property
     def total(self) -> int:
@@ -224,7 +228,26 @@ def count_model(model: nn.Module, family: str, seq: int | None = None) -> ModelC
             final += n
     tied = bool(head_ids & input_ids)
     return _with_shape(model, family, seq, embedding=embedding, final=final, head=head,
-                       tied=tied, layers=tuple(LayerCount(*c) for c in per_layer))
+                       tied=tied, layers=tuple(LayerCount(*c) for c in per_layer),
+                       block=_block_kind(model, layers))
+
+
+def _block_kind(model: nn.Module, layers: nn.ModuleList) -> str:
+    """"llama" when every layer has exactly two RMSNorms, a gated MLP (gate and up
+    projections) and the model runs fused attention without dropout; these are the
+    layers :mod:`paraxis.planner.activations` counts exactly."""
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "_attn_implementation", None) != "sdpa" or \
+            float(getattr(cfg, "attention_dropout", 0.0) or 0.0):
+        return "korthikanti"
+    for layer in layers:
+        names = {n.rpartition(".")[2] for n, _ in layer.named_modules()}
+        names |= {n.rpartition(".")[2] for n, _ in layer.named_parameters()}
+        norms = sum(type(m).__name__.endswith("RMSNorm") for m in layer.modules())
+        gated = bool(names & {"gate_proj", "gate_up_proj", "w1"})
+        if norms != 2 or not gated:
+            return "korthikanti"
+    return "llama"
 
 
 def _with_shape(model: nn.Module, family: str, seq: int | None, **counts: Any) -> ModelCounts:
@@ -252,4 +275,5 @@ def _with_shape(model: nn.Module, family: str, seq: int | None, **counts: Any) -
         top_k=first("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k",
                     default=1) if experts else 1,
         max_seq=first("max_position_embeddings", "n_positions", "seq_length"),
+        expert_intermediate=first("moe_intermediate_size") if experts else None,
         **counts)

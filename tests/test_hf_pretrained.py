@@ -1,0 +1,165 @@
+"""Starting from Hugging Face weights: ``paraxis_hf.from_pretrained(dir)`` builds the
+model on the meta device and each rank reads only its slices of a sharded
+``save_pretrained`` directory.
+
+Parity: tensor 2, pipeline 2 x tensor 2 (a vocabulary of 127, padded to 128) and
+ZeRO-3 on data 2 (the weights arrive before ZeRO shards them) started from the
+directory train with the same per-step losses as one process started from
+``AutoModelForCausalLM.from_pretrained`` on the same directory (shared tolerance); so
+does ``model.pretrained: DIR`` in a run config. Memory: with a vocabulary large enough
+to dominate the model, each rank's peak anonymous resident memory while it builds the
+model and ``parallelize`` lays it out (RssAnon sampled by a thread, minus its size
+before) is measured against the whole model's bytes: a rank of a two-way split must stay
+under three quarters of it, where one rank owning the model whole needs all of it.
+(transformers' own ``from_pretrained`` keeps the tensors in the memory-mapped files, so
+its anonymous memory says nothing.)"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import paraxis
+from paraxis.testing.tolerance import assert_losses_close
+
+pytest.importorskip("transformers")
+
+LR, STEPS, BATCH, SEQ = 1e-3, 3, 8, 16
+BIG_VOCAB = 32_000
+
+
+def save_debug_llama(directory, **overrides):
+    from paraxis_hf import build_debug_model
+
+    model = build_debug_model("llama", seed=5, **overrides)
+    model.save_pretrained(directory, max_shard_size="40KB")
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def train_from(directory, options, pretrained):
+    from transformers import AutoModelForCausalLM
+
+    from paraxis_hf import from_pretrained
+
+    model = (from_pretrained(directory) if pretrained
+             else AutoModelForCausalLM.from_pretrained(directory))
+    engine = paraxis.parallelize(model, **options, train={
+        "steps": STEPS, "lr": LR, "warmup_steps": 1, "seq_length": SEQ})
+    assert not any(p.is_meta for p in engine.model.parameters())
+    g = torch.Generator().manual_seed(3)
+    index, count = engine.grid.sample_shard()
+    part = slice(index * BATCH // count, (index + 1) * BATCH // count)
+    losses = [engine.train_step(torch.randint(0, 127, (BATCH, SEQ), generator=g)[part])["loss"]
+              for _ in range(STEPS)]
+    engine.close()
+    return losses
+
+
+def test_sharded_directory_has_an_index(tmp_path):
+    save_debug_llama(tmp_path)
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 2
+
+
+@pytest.mark.parametrize("options", [{"tensor": 2}, {"pipeline": 2, "tensor": 2,
+                                                      "microbatches": 2},
+                                      {"data": 2, "zero": 3}],
+                         ids=["tensor2", "pipeline2xtensor2", "zero3data2"])
+def test_parallel_run_from_pretrained_equals_one_process(worlds, tmp_path, options):
+    save_debug_llama(tmp_path, vocab_size=127)  # tensor 2 pads it to 128
+    want = worlds.run(1, train_from, str(tmp_path), {}, False)[0]
+    size = options.get("pipeline", 1) * options.get("tensor", 1) * options.get("data", 1)
+    for losses in worlds.run(size, train_from, str(tmp_path), options, True):
+        assert_losses_close(losses, want)
+
+
+def _anon_kib():
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1])
+    raise LookupError("RssAnon")
+
+
+class AnonPeak:
+    """Peak anonymous resident memory (RssAnon, sampled every 0.2 ms by a thread) added
+    inside the block: tensors, not the safetensors files' page-cache pages that a
+    memory-mapped read maps in (those are shared and reclaimable)."""
+
+    def __enter__(self):
+        self.before = self.peak = _anon_kib()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(0.0002):
+            self.peak = max(self.peak, _anon_kib())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _anon_kib())
+        self.added = (self.peak - self.before) * 1024
+
+
+def peak_load(directory, options):
+    """Bytes of anonymous memory this rank added at its peak while it built the model
+    from ``directory`` and ``parallelize`` laid it out, and the bytes of parameters it
+    holds. Run twice; the first run pays for imports and process groups."""
+    from paraxis_hf import from_pretrained
+
+    for _ in range(2):
+        gc.collect()
+        with AnonPeak() as peak:
+            model = from_pretrained(directory)
+            engine = paraxis.parallelize(model, **options, verify=False)
+        held = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+        del model
+        engine.close()
+    return peak.added, held
+
+
+def test_each_rank_reads_only_its_slices(worlds, tmp_path):
+    total = save_debug_llama(tmp_path, vocab_size=BIG_VOCAB, hidden_size=64)
+    one = worlds.run(1, peak_load, str(tmp_path), {})[0]  # one rank owns it whole
+    layouts = [("tensor2", {"tensor": 2}), ("pipeline2", {"pipeline": 2, "microbatches": 2})]
+    ranks = {name: worlds.run(2, peak_load, str(tmp_path), options)
+             for name, options in layouts}
+    print(f"whole model {total / 2**20:.1f} MiB; peak anonymous RSS added while building "
+          f"it: one process {one[0] / 2**20:.1f} MiB; " + "; ".join(
+              f"{name} " + ", ".join(f"rank {r} {p / 2**20:.1f} MiB (holds "
+                                     f"{h / 2**20:.1f})" for r, (p, h) in enumerate(out))
+              for name, out in ranks.items()))
+    assert one[0] >= 0.9 * total
+    for out in ranks.values():
+        for peak, held in out:
+            assert held < 0.6 * total and peak < 0.75 * total
+
+
+def train_yaml(directory, degrees):
+    from paraxis.run_config import RunConfig
+    from paraxis.trainer import train
+
+    history = []
+    train(RunConfig.from_dict({
+        "parallelism": degrees,
+        "model": {"pretrained": directory},
+        "train": {"steps": 2, "global_batch": 4, "seq_length": SEQ, "lr": LR,
+                  "warmup_steps": 1, "log_every": 100},
+        "data": {"max_bytes": 20_000},
+        "logging": {"progress": False, "wandb": False},
+    }), history)
+    return [m["loss"] for m in history]
+
+
+def test_yaml_model_pretrained(worlds, tmp_path):
+    """``model.pretrained: DIR`` in a run config: tensor 2 equals one process."""
+    save_debug_llama(tmp_path, vocab_size=256)  # the byte tokenizer's ids
+    want = worlds.run(1, train_yaml, str(tmp_path), {})[0]
+    for losses in worlds.run(2, train_yaml, str(tmp_path), {"tensor": 2}):
+        assert_losses_close(losses, want)
