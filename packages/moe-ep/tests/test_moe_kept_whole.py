@@ -31,6 +31,7 @@ TINY = {
 def one_process(family):
     """paraxis' first training step on a world of one against the model's own loss with
     ``output_router_logits=True`` (which adds its load-balancing loss where it has one)."""
+    from moe_tiny_models import plan_of
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import paraxis
@@ -41,7 +42,8 @@ def one_process(family):
     ref = copy.deepcopy(model).eval()
     with torch.no_grad():
         own = ref(input_ids=ids, labels=ids, output_router_logits=True, use_cache=False)
-    engine = paraxis.parallelize(model, config=paraxis.ParallelConfig.from_kwargs(),
+    engine = paraxis.parallelize(model, plan=plan_of(model),
+                                 config=paraxis.ParallelConfig.from_kwargs(),
                                  train={"steps": 1, "lr": 1e-3, "seq_length": S})
     try:
         kept = engine.ctx.extras["expert"].kept
