@@ -15,8 +15,7 @@ restore on another.
 An optimizer that keeps the weights and their state itself, partitioned its own way
 (the DeepSpeed bridge), implements ``checkpoint_state(param)`` (collective: the value
 and optimizer state laid out as the parameter's placement says, or None where this rank
-does not write them) and ``load_checkpoint_state(param, value, state)``; the format
-is the same either way.
+does not write them) and ``load_checkpoint_state(param, value, state)``: same format.
 
 Writes are atomic: every rank writes into a temporary directory, rank 0 writes the
 index, renames the directory, then replaces ``latest``; a process killed at any point
@@ -145,15 +144,8 @@ def _rng_states(engine: Engine) -> dict[str, torch.Tensor]:
 def save_checkpoint(engine: Engine, directory: str | os.PathLike[str]) -> str:
     """Write ``directory/step-NNNNNNNN`` and point ``directory/latest`` at it.
     Collective: every rank calls it."""
-    root = Path(directory)
-    name = f"step-{engine.step:08d}"
-    tmp = root / f".tmp-{name}"
+    root, name, tmp, filename = _begin_save(engine, directory)
     rank = engine.grid.rank
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier(engine.grid.world)
-    filename = f"rank{rank:05d}.safetensors"
     tensors, entries = _local_entries(engine)
     save_file(tensors, str(tmp / filename))
     digest = file_digest(tmp / filename)
@@ -166,6 +158,19 @@ def save_checkpoint(engine: Engine, directory: str | os.PathLike[str]) -> str:
         _write_atomically(root / "latest", name + "\n")
     barrier(engine.grid.world)
     return str(root / name)
+
+
+def _begin_save(engine: Engine, directory: str | os.PathLike[str],
+                ) -> tuple[Path, str, Path, str]:
+    """Root, step name, fresh temporary directory and this rank's file. Collective."""
+    root = Path(directory)
+    name = f"step-{engine.step:08d}"
+    tmp = root / f".tmp-{name}"
+    if engine.grid.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier(engine.grid.world)
+    return root, name, tmp, f"rank{engine.grid.rank:05d}.safetensors"
 
 
 def _write_atomically(path: Path, text: str) -> None:

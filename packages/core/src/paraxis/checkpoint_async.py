@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -28,9 +27,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import save_file
 
-from paraxis.checkpoint import _index, _local_entries, _publish, _write_atomically
+from paraxis.checkpoint import (
+    _begin_save,
+    _index,
+    _local_entries,
+    _publish,
+    _write_atomically,
+)
 from paraxis.checkpoint_files import CheckpointError, file_digest
-from paraxis.collectives import all_gather_object, barrier
+from paraxis.collectives import all_gather_object
 
 if TYPE_CHECKING:
     from paraxis.engine import Engine
@@ -61,15 +66,8 @@ class AsyncSaver:
         """Snapshot now, write in the background; returns the step directory's path
         (complete once :meth:`wait` returns on rank 0). Collective."""
         self.wait()
-        root = Path(directory)
-        name = f"step-{engine.step:08d}"
-        tmp = root / f".tmp-{name}"
+        root, name, tmp, filename = _begin_save(engine, directory)
         rank = engine.grid.rank
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        barrier(engine.grid.world)
-        filename = f"rank{rank:05d}.safetensors"
         tensors, entries = _local_entries(engine)  # host copies: the snapshot
         gathered = all_gather_object((filename, entries, random.getstate(), None),
                                      engine.grid.world)
