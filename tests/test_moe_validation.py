@@ -47,6 +47,8 @@ def test_an_moe_layout_paraxis_does_not_know_names_the_module():
     model = build_debug_model("mixtral")
     # The pre-5.x layout: a list of expert modules instead of fused tensors.
     model.model.layers[1].mlp.experts = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
-    text = refused(model)  # at expert=1 too: the router losses need the block
+    # Refused where experts must be sharded; at expert=1 the block is kept whole (the
+    # model's own forward: packages/moe-ep/tests/test_moe_kept_whole.py).
+    text = refused(model, expert=2)
     assert "model.layers.1.mlp.experts (ModuleList)" in text
     assert "fused" in text

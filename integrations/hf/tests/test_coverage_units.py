@@ -98,3 +98,23 @@ def test_a_model_with_experts_is_compared_with_one_process_running_the_same_micr
                    {2: {"losses": [2.0]}})
     assert _reference_for(moe, pipeline) == {"losses": [2.0]}
     assert _reference_for(moe, data) == {"losses": [1.0]}
+
+
+def test_a_data_mismatch_is_passed_only_when_one_process_split_the_same_way_equals_it():
+    """CpmAnt: data=2's step-3 gradient norm is 5.9e-5 off one process on whole batches,
+    and exactly one process accumulating the same two shares (reduction order, grown by
+    an ill-conditioned model); a data run that equals neither still fails."""
+    from paraxis_hf.coverage.checks import compare, split_explained
+
+    whole = {"losses": [5.0, 4.0, 3.0], "norms": [89.31, 49.36, 52.69037]}
+    split = {"losses": [5.0, 4.0, 3.0], "norms": [89.31, 49.36, 52.69349]}
+    ranks = [dict(split), dict(split)]
+    cell = compare(whole, ranks)
+    assert cell.status == "fail"
+    explained = split_explained(whole, split, ranks, cell, 2)
+    assert explained.status == "pass" and "ill-conditioned" in explained.detail
+    assert "5.9e-05" in explained.detail
+    wrong = [{"losses": split["losses"], "norms": [89.31, 49.36, 52.8]}] * 2
+    assert split_explained(whole, split, wrong, compare(whole, wrong), 2).status == "fail"
+    # One process agreeing with itself split: the ranks' difference is theirs.
+    assert split_explained(whole, whole, wrong, compare(whole, wrong), 2).status == "fail"

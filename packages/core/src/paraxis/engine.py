@@ -228,11 +228,13 @@ class Engine:
         finally:
             self._fp32_only = False
 
-    def probe_grad_norm(self, batch: Any) -> float:
+    def probe_grad_norm(self, batch: Any, *, train_mode: bool = False) -> float:
         """The global gradient norm of this global batch's mean loss, back-propagated
-        through every axis in fp32 and eval mode, without stepping; gradients are cleared
-        after (the parity probe). Auxiliary losses are left out, as in the model's own."""
-        self.model.eval()
+        through every axis in fp32 and eval mode (train mode if ``train_mode``: a
+        dropout-free model whose backward needs it), without stepping; gradients are
+        cleared after (the parity probe). Auxiliary losses are left out, as in the
+        model's own."""
+        self.model.train(train_mode)
         self._fp32_only = True
         try:
             batch, tokens = self._prepare(batch)

@@ -20,11 +20,19 @@ hidden states) is refused the same way, with the error it raised.
 
 An axis whose parallel arithmetic is legitimately not the one-process model's (expert
 capacity that drops tokens per expert group) sets ``ctx.skip_verify`` to its reason.
+
+The probe runs in eval mode (no dropout). A model that refuses a backward in eval mode
+(Reformer's reversible layers assert ``training``) is probed in train mode instead, and
+only when that is the same function: every dropout probability it has (``nn.Dropout``
+modules and the config's ``*dropout*``/``*_prob`` numbers) is 0. Both probe runs then
+fork the random generators, so the training stream is untouched.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +61,7 @@ class Probe:
     ids: torch.Tensor
     loss: float
     grad_norm: float
+    train_mode: bool = False  # probed in train mode (a train-only, dropout-free model)
 
     @classmethod
     def before(cls, model: nn.Module, config: ParallelConfig, *, seq_length: int,
@@ -67,23 +76,17 @@ class Probe:
         seq = min(seq_length, unit * math.ceil(PROBE_TOKENS / unit))
         g = torch.Generator().manual_seed(1234)
         ids = torch.randint(0, max(vocab or 2, 2), (rows, seq), generator=g)
-        device = next(model.parameters()).device
-        modes = {m: m.training for m in model.modules()}
-        model.eval()
         try:
-            out = model(ids.to(device), **forward_kwargs)
-            logits = out.logits if hasattr(out, "logits") else out
-            loss_sum, count = causal_lm_loss_sum(logits, shift_labels(ids).to(device))
-            loss = loss_sum / max(count, 1)
-            loss.backward()
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
-            norm = float(torch.sqrt(sum(g.double().pow(2).sum() for g in grads))) if grads \
-                else 0.0
-        finally:
-            model.zero_grad(set_to_none=True)
-            for m, mode in modes.items():
-                m.train(mode)
-        return cls(ids, float(loss), norm)
+            loss, norm = _own_loss_and_norm(model, ids, forward_kwargs, train_mode=False)
+            return cls(ids, loss, norm)
+        except Exception as exc:
+            if not _dropout_free(model):
+                raise
+            try:  # a model whose backward needs train mode (Reformer's reversible layers)
+                loss, norm = _own_loss_and_norm(model, ids, forward_kwargs, train_mode=True)
+            except Exception:
+                raise exc from None
+            return cls(ids, loss, norm, train_mode=True)
 
     def check(self, engine: Engine, axes: str) -> None:
         """Evaluate and back-propagate the probe through the parallel engine; refuse if
@@ -108,7 +111,8 @@ class Probe:
             # accumulation: a probe backward would change its state, so only the loss
             # is probed; its parity tests hold the gradients.
             return
-        norm = engine.probe_grad_norm(mine)
+        with probe_rng(self.train_mode):
+            norm = engine.probe_grad_norm(mine, train_mode=self.train_mode)
         if _differ(norm, self.grad_norm):
             self._refuse(engine, axes, "gradient norm", norm, self.grad_norm)
 
@@ -124,3 +128,48 @@ class Probe:
 
 def _differ(got: float, want: float) -> bool:
     return not math.isfinite(got) or abs(got - want) > REDUCTION_RTOL * abs(want)
+
+
+@contextmanager
+def probe_rng(fork: bool) -> Iterator[None]:
+    """Fork (and afterwards restore) the random generators if ``fork``: a train-mode
+    probe must leave the training stream where it was."""
+    if not fork:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        yield
+
+
+def _dropout_free(model: nn.Module) -> bool:
+    """Every dropout probability of ``model`` is 0: its ``nn.Dropout`` modules and its
+    config's numbers named ``*dropout*`` or ``*_prob`` (functional dropouts read them)."""
+    if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p for m in model.modules()):
+        return False
+    config = getattr(model, "config", None)
+    values = config.to_dict() if hasattr(config, "to_dict") else {}
+    return not any(isinstance(v, float) and v and ("dropout" in k or k.endswith("_prob"))
+                   for k, v in values.items())
+
+
+def _own_loss_and_norm(model: nn.Module, ids: torch.Tensor, forward_kwargs: dict[str, Any],
+                       *, train_mode: bool) -> tuple[float, float]:
+    """The whole model's mean next-token loss on ``ids`` and its gradient's global norm;
+    modes and gradients are restored after."""
+    device = next(model.parameters()).device
+    modes = {m: m.training for m in model.modules()}
+    model.train(train_mode)
+    try:
+        with probe_rng(train_mode):
+            out = model(ids.to(device), **forward_kwargs)
+            logits = out.logits if hasattr(out, "logits") else out
+            loss_sum, count = causal_lm_loss_sum(logits, shift_labels(ids).to(device))
+            loss = loss_sum / max(count, 1)
+            loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = float(torch.sqrt(sum(g.double().pow(2).sum() for g in grads))) if grads else 0.0
+    finally:
+        model.zero_grad(set_to_none=True)
+        for m, mode in modes.items():
+            m.train(mode)
+    return float(loss.detach()), norm

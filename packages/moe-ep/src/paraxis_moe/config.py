@@ -42,10 +42,14 @@ def moe_config(config: Any) -> MoEConfig:
 
 def aux_coef(moe: MoEConfig, model_config: Any) -> float:
     """The load-balancing loss coefficient: ``moe.aux_loss_coef``, else the model's
-    ``router_aux_loss_coef`` (0 when it has none)."""
+    ``router_aux_loss_coef`` (JetMoE's ``aux_loss_coef``; 0 when it has none)."""
     if moe.aux_loss_coef is not None:
         return float(moe.aux_loss_coef)
-    return float(getattr(model_config, "router_aux_loss_coef", 0.0) or 0.0)
+    for key in ("router_aux_loss_coef", "aux_loss_coef"):
+        value = getattr(model_config, key, None)
+        if value is not None:
+            return float(value)
+    return 0.0
 
 
 def experts_per_token(config: Any) -> int | None:

@@ -3,7 +3,17 @@
 A block is the model's own module (``MixtralSparseMoeBlock``, ``Qwen2MoeSparseMoeBlock``
 with its shared expert, ``DeepseekV3MoE``...): paraxis keeps it and its router, and
 replaces only its ``experts`` child's forward (:mod:`paraxis_moe.experts`). The router
-is the block's ``gate`` or ``router`` child, whichever the family names it.
+is the block's ``gate`` or ``router`` child, whichever the family names it; its logits
+are the output transformers' own ``router_logits`` recorder reads (the model's
+``_can_record_outputs``: JetMoE's gate returns them fifth, Llama 4's second).
+
+At expert degree 1 nothing is dispatched, so a block whose experts paraxis cannot shard
+(JetMoE's attention and MLP experts, Llama 4's, LongCat-Flash's with zero-compute
+experts) is *kept whole*: its forward stays entirely the model's. Its routers are then
+the modules transformers' ``router_logits`` recorder reads (JetMoE's gates sit inside its
+attention experts and in MLP blocks without an ``experts`` child; its own loss takes them
+all), or the block's ``gate``/``router`` child where the model has no recorder; each is
+watched for the losses and statistics under its own module name.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ from paraxis_moe.experts import (
 from paraxis_moe.router import RouterLosses, watch_router
 from paraxis_moe.stats import MoEStats
 
-__all__ = ["ExpertParallel", "find_blocks", "find_router", "moe_block_names"]
+__all__ = ["ExpertParallel", "find_blocks", "find_router", "logits_index", "moe_block_names"]
 
 ROUTER_NAMES = ("gate", "router")
 
@@ -47,20 +57,53 @@ def moe_block_names(model: nn.Module, patterns: Sequence[str]) -> list[str]:
     return [n for n, _ in model.named_modules() if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
 
 
-def find_blocks(model: nn.Module, patterns: Sequence[str]) -> list[tuple[str, nn.Module, Any]]:
+def find_blocks(model: nn.Module, patterns: Sequence[str], *, keep_whole: bool = False,
+                ) -> list[tuple[str, nn.Module | None, Any]]:
     """(name, router, experts) of every MoE block, each checked (nothing is changed);
-    :class:`UnsupportedMoELayout` names the first module paraxis cannot shard."""
+    :class:`UnsupportedMoELayout` names the first module paraxis cannot shard. With
+    ``keep_whole`` (expert degree 1) such a block is returned with ``experts`` None (left
+    whole) and ``router`` None where no router is found."""
     found = []
     for name in moe_block_names(model, patterns):
         block = model.get_submodule(name)
         experts = getattr(block, "experts", None)
-        check_experts(experts, f"{name}.experts")
+        try:
+            check_experts(experts, f"{name}.experts")
+        except UnsupportedMoELayout:
+            if not keep_whole:
+                raise
+            router = next((r for r in (getattr(block, a, None) for a in ROUTER_NAMES)
+                           if isinstance(r, nn.Module)), None)
+            found.append((name, router, None))
+            continue
         found.append((name, find_router(block, name), experts))
     return found
 
 
-def _num_experts(parts: list[tuple[str, nn.Module, Any]], config: Any, where: str) -> int:
-    sizes = {experts.num_experts for _, _, experts in parts}
+def recorded_routers(model: nn.Module) -> list[tuple[str, nn.Module]] | None:
+    """Every module transformers' ``router_logits`` recorder of ``model`` reads (the
+    logits its own load-balancing loss takes), by name; None without a recorder."""
+    recorder = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
+    target = getattr(recorder, "target_class", recorder)
+    if not isinstance(target, type):
+        return None
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, target)]
+
+
+def logits_index(model: nn.Module, router: nn.Module) -> int:
+    """Where ``router``'s output holds its logits: the index of the model's own
+    ``router_logits`` recorder (transformers' ``_can_record_outputs``) when it targets
+    this router's class, else 0."""
+    recorder = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
+    target = getattr(recorder, "target_class", recorder)
+    if isinstance(target, type) and isinstance(router, target):
+        return int(getattr(recorder, "index", 0) or 0)
+    return 0
+
+
+def _num_experts(parts: list[tuple[str, nn.Module | None, Any]], config: Any,
+                 where: str) -> int:
+    sizes = {experts.num_experts for _, _, experts in parts if experts is not None}
     if len(sizes) > 1:
         raise UnsupportedMoELayout(f"MoE blocks of {where} have different expert counts "
                                    f"{sorted(sizes)}")
@@ -75,6 +118,23 @@ def _num_experts(parts: list[tuple[str, nn.Module, Any]], config: Any, where: st
     return int(count)
 
 
+def _with_recorded_routers(parts: list[tuple[nn.Module, str, nn.Module | None, Any]],
+                           ) -> list[tuple[nn.Module, str, nn.Module | None, Any]]:
+    """With blocks kept whole: the sharded blocks, then every other router the model's
+    recorder reads as a part of its own (no experts), or the kept blocks as they are
+    where the model has no recorder."""
+    out = [p for p in parts if p[3] is not None]
+    watched = {id(p[2]) for p in out}
+    for root in dict.fromkeys(p[0] for p in parts):
+        routers = recorded_routers(root)
+        if routers is None:
+            out += [p for p in parts if p[0] is root and p[3] is None]
+            continue
+        out += [(root, name, router, None) for name, router in routers
+                if id(router) not in watched]
+    return out
+
+
 class ExpertParallel:
     """Every named MoE block of ``model`` (a module, or the pipeline chunks this rank
     holds) sharded over ``group`` (the expert axis).
@@ -82,8 +142,9 @@ class ExpertParallel:
     ``token_group`` holds the ranks with distinct tokens (data x expert x context), over
     which the router losses' counts and the statistics are reduced; ``pipeline`` the
     pipeline group, over which the statistics of the stages' layers are gathered. With
-    ``allow_empty`` (a pipeline stage) a module without MoE blocks is accepted. Every
-    rank of the grid must build it with the same arguments.
+    ``allow_empty`` (a pipeline stage) a module without MoE blocks is accepted. With a
+    group of one, blocks whose experts cannot be sharded are kept whole (``kept``).
+    Every rank of the grid must build it with the same arguments.
     """
 
     def __init__(self, model: nn.Module | Sequence[nn.Module], blocks: Sequence[str],
@@ -95,13 +156,17 @@ class ExpertParallel:
         self.roots = [model] if isinstance(model, nn.Module) else list(model)
         cfg = getattr(self.roots[0], "config", None)
         where = type(self.roots[0]).__name__
-        parts = [p for root in self.roots for p in find_blocks(root, blocks)]
+        parts = [(root, *p) for root in self.roots
+                 for p in find_blocks(root, blocks, keep_whole=group.size == 1)]
         if not parts and not allow_empty:
             raise UnsupportedMoELayout(f"no module of {where} matches the MoE blocks "
                                        f"{list(blocks)}")
-        self.names = [name for name, _, _ in parts]
-        self.num_experts = _num_experts(parts, cfg, where)
-        top_k = (getattr(parts[0][1], "top_k", None) if parts else None) or \
+        self.kept = [name for _, name, _, experts in parts if experts is None]
+        if self.kept:
+            parts = _with_recorded_routers(parts)
+        self.names = [name for _, name, _, _ in parts]
+        self.num_experts = _num_experts([p[1:] for p in parts], cfg, where)
+        top_k = (getattr(parts[0][2], "top_k", None) if parts else None) or \
             experts_per_token(cfg)
         if not top_k:
             raise UnsupportedMoELayout(f"{where}: cannot find the router's top-k")
@@ -113,12 +178,15 @@ class ExpertParallel:
         self.recording = True
         self.experts: dict[str, ExpertParallelExperts] = {}
         self._hooks: list[Any] = []
-        for name, router, experts in parts:
+        for root, name, router, experts in parts:
             layer = self.stats.layers[name]
-            self.experts[name] = shard_experts(experts, group, moe=self.moe, stats=layer,
-                                               name=f"{name}.experts")
-            self._hooks.append(watch_router(router, stats=layer, losses=self.losses,
-                                            recording=lambda: self.recording))
+            if experts is not None:
+                self.experts[name] = shard_experts(experts, group, moe=self.moe, stats=layer,
+                                                   name=f"{name}.experts")
+            if router is not None:
+                self._hooks.append(watch_router(router, stats=layer, losses=self.losses,
+                                                recording=lambda: self.recording,
+                                                index=logits_index(root, router)))
 
     def set_recording(self, on: bool) -> None:
         """Off while activations are recomputed: routing is counted once per forward."""

@@ -61,6 +61,19 @@ class RouterLosses:
         return [AUX_LOSS, Z_LOSS]
 
     def record(self, logits: torch.Tensor) -> None:
+        """Keep one layer's logits. A router with more classes than experts (ZAYA's skip
+        class, LongCat-Flash's zero-compute experts) has no Switch loss transformers
+        defines: it is recorded only if both coefficients are 0 (then nothing is)."""
+        width = logits.shape[-1]
+        if width != self.num_experts:
+            if self.aux_coef or self.z_coef:
+                from paraxis_moe.experts import UnsupportedMoELayout
+
+                raise UnsupportedMoELayout(
+                    f"a router has {width} logits for {self.num_experts} experts (skip or "
+                    "zero-compute classes); its load-balancing loss is not defined. Set "
+                    "moe.aux_loss_coef: 0 and moe.z_loss_coef: 0")
+            return
         self._logits.append(logits.reshape(-1, self.num_experts))
 
     def clear(self) -> None:
@@ -114,14 +127,16 @@ class RouterLosses:
 
 
 def watch_router(router: torch.nn.Module, *, stats: LayerStats | None,
-                 losses: RouterLosses | None, recording: Callable[[], bool]) -> Any:
-    """Forward hook on the model's router: its logits go to ``stats`` and ``losses``
-    while ``recording()`` (off during activation recomputation). Returns the handle."""
+                 losses: RouterLosses | None, recording: Callable[[], bool],
+                 index: int = 0) -> Any:
+    """Forward hook on the model's router: its logits (``output[index]`` of a tuple) go
+    to ``stats`` and ``losses`` while ``recording()`` (off during activation
+    recomputation). Returns the handle."""
 
     def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
         if not recording():
             return
-        logits = output[0] if isinstance(output, tuple) else output
+        logits = output[index] if isinstance(output, tuple) else output
         if stats is not None:
             stats.add_router(logits)
         if losses is not None:

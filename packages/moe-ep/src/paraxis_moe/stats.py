@@ -101,10 +101,13 @@ class LayerStats:
 
     def add_router(self, logits: torch.Tensor) -> None:
         """The router's distribution: softmax over its logits (the distribution the
-        Switch loss uses), for every family."""
+        Switch loss uses), for every family. A router with extra classes (a skip or
+        zero-compute expert) adds its entropy over all of them and the probabilities
+        of the real experts (its first ``num_experts`` classes)."""
         with torch.no_grad():
-            probs = torch.softmax(logits.detach().reshape(-1, logits.shape[-1]).float(), -1)
-            entropy = -(probs * probs.clamp_min(1e-30).log()).sum()
+            full = torch.softmax(logits.detach().reshape(-1, logits.shape[-1]).float(), -1)
+            entropy = -(full * full.clamp_min(1e-30).log()).sum()
+            probs = full[:, :self.num_experts]
             self.add("prob_sum", probs.sum(0))
             self.add("entropy_sum", entropy)
             self.add("tokens", probs.shape[0])

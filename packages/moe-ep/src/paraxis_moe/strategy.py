@@ -45,11 +45,13 @@ class ExpertParallelStrategy(Strategy):
     @classmethod
     def check_model(cls, model: nn.Module, config: Any, plan: object | None) -> list[Problem]:
         """Every MoE block the plan names must have fused experts paraxis can shard and a
-        router it can find, and its expert count must split over the expert degree."""
+        router it can find, and its expert count must split over the expert degree. At
+        degree 1 nothing is sharded: a block it cannot shard is kept whole (the model's
+        own forward; its router watched where found)."""
         patterns = getattr(plan, "experts", ()) or ()
         degree = config.parallelism.expert
         try:
-            blocks = find_blocks(model, patterns)
+            blocks = find_blocks(model, patterns, keep_whole=degree == 1)
         except UnsupportedMoELayout as exc:
             return [Problem("model", type(model).__name__, str(exc),
                             "use a transformers version whose MoE blocks hold fused "
@@ -57,7 +59,8 @@ class ExpertParallelStrategy(Strategy):
         return [Problem(f"model.{name}.experts.num_experts", experts.num_experts,
                         f"must be divisible by the expert degree {degree}",
                         "choose parallelism.expert dividing the expert count")
-                for name, _, experts in blocks if experts.num_experts % degree][:1]
+                for name, _, experts in blocks
+                if experts is not None and experts.num_experts % degree][:1]
 
     def apply(self, model: nn.Module, ctx: ApplyContext) -> nn.Module:
         plan = ctx.plan

@@ -28,6 +28,7 @@ from paraxis_hf.coverage.checks import (
     parallel_run,
     preflight_refusal,
     reference_run,
+    split_explained,
 )
 from paraxis_hf.coverage.families import Family
 
@@ -101,6 +102,20 @@ def _reference_for(prepared: Prepared, check: Check) -> dict[str, Any]:
     return prepared.accumulated.get(check.microbatches, prepared.reference or {})
 
 
+def _data_only(check: Check) -> bool:
+    """A data-parallel check alone: its ranks hold the batch's consecutive shares, as
+    one process accumulating ``world`` microbatches does."""
+    return set(check.kwargs) == {"data"} and check.world > 1
+
+
+def _has_experts(model: Any) -> bool:
+    """MoE blocks (an ``experts`` child): their router loss is per forward, so one
+    process accumulating microbatches is another function than data parallel's."""
+    from torch import nn
+
+    return any(isinstance(getattr(m, "experts", None), nn.Module) for m in model.modules())
+
+
 def run_checks(prepared: Prepared, checks: Iterable[Check], worlds: Any, *,
                timeout: float = CHECK_TIMEOUT) -> Row:
     """The row of a prepared family: each check against its reference."""
@@ -128,6 +143,10 @@ def run_checks(prepared: Prepared, checks: Iterable[Check], worlds: Any, *,
         results = _run(worlds, check.world, parallel_run, family.model_type,
                        family.overrides, check.kwargs, timeout=timeout)
         cell = compare(want, results)
+        if cell.status == "fail" and _data_only(check) and not _has_experts(model):
+            split = _run(worlds, 1, reference_run, family.model_type, family.overrides,
+                         check.world, timeout=timeout)[0]
+            cell = split_explained(want, split, results, cell, check.world)
         row.cells[check.name] = dataclasses.replace(cell, seconds=time.perf_counter() - began)
         if _maybe_out_of_step(results):
             worlds.restart(check.world)
