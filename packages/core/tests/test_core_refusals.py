@@ -116,15 +116,17 @@ class WrongBackward(Strategy):
         return model
 
 
-class WrongBackwardPlugin:
-    @hookimpl
-    def paraxis_register_strategies(self, register):
-        register(WrongBackward)
+def refused_run(strategy):
+    """parallelize the tiny model over the tensor axis with ``strategy`` as the tensor
+    strategy; the refusal's message, or None when it was accepted."""
 
+    class Plugin:
+        @hookimpl
+        def paraxis_register_strategies(self, register):
+            register(strategy)
 
-def wrong_backward_run():
     torch.manual_seed(0)
-    pm = make_plugin_manager(load_entrypoints=False, plugins=(WrongBackwardPlugin(),))
+    pm = make_plugin_manager(load_entrypoints=False, plugins=(Plugin(),))
     plan = ModelPlan("TinyTransformer", tensor={"layers.*.mlp.up": "colwise"})
     try:
         paraxis.parallelize(TinyTransformer(CFG), tensor=dist.get_world_size(), plan=plan,
@@ -135,7 +137,7 @@ def wrong_backward_run():
 
 
 def test_the_parity_probe_refuses_a_layout_with_the_right_loss_and_wrong_gradients(worlds):
-    for message in worlds.run(2, wrong_backward_run):
+    for message in worlds.run(2, refused_run, WrongBackward):
         assert message and "gradient norm on a probe batch" in message, message
         assert "This layout would train something else" in message
 
@@ -152,26 +154,8 @@ class Misshapen(Strategy):
         return model
 
 
-class MisshapenPlugin:
-    @hookimpl
-    def paraxis_register_strategies(self, register):
-        register(Misshapen)
-
-
-def misshapen_run():
-    torch.manual_seed(0)
-    pm = make_plugin_manager(load_entrypoints=False, plugins=(MisshapenPlugin(),))
-    plan = ModelPlan("TinyTransformer", tensor={"layers.*.mlp.up": "colwise"})
-    try:
-        paraxis.parallelize(TinyTransformer(CFG), tensor=dist.get_world_size(), plan=plan,
-                            plugin_manager=pm, train={"seq_length": CFG.seq_length})
-    except PlanError as exc:
-        return str(exc)
-    return None
-
-
 def test_the_parity_probe_refuses_a_layout_whose_model_cannot_run(worlds):
-    for message in worlds.run(2, misshapen_run):
+    for message in worlds.run(2, refused_run, Misshapen):
         assert message and "cannot run the probe batch (RuntimeError" in message, message
         assert "with tensor 2" in message
 
