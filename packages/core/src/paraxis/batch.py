@@ -7,9 +7,12 @@ each rank's true positions). A strategy's batch transform
 (``ApplyContext.batch_transforms``) takes and returns a Batch; the engine counts tokens
 after the transforms, so an axis that splits the sequence never multiplies the global
 token count. A user's ``attention_mask`` is kept only when it masks something
-(``padding_mask``); the engine does not pass it to the model (rows are packed; right
-padding with ``-100`` labels is exact under a causal mask without it), and an axis that
-cannot honour one (context parallelism) refuses it rather than ignore it.
+(``padding_mask``). The engine does not pass it to the model yet, so only *right*
+padding is accepted: under a causal mask a real token never attends to a pad after it,
+and the targets at padded positions are ignored, which makes the loss the model's own
+masked loss. Any other mask (left padding, holes) is refused before the step runs:
+real tokens would attend to the pads and the loss would silently differ. An axis that
+cannot honour even right padding (context parallelism) refuses it too.
 
 :class:`AuxLosses` carries losses other than next-token cross-entropy (a router's
 load-balancing loss, its z-loss) from modules to the engine.
@@ -23,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["IGNORE_INDEX", "AuxLosses", "Batch", "Carried", "shift_labels"]
+__all__ = ["IGNORE_INDEX", "AuxLosses", "Batch", "Carried", "check_right_padding", "shift_labels"]
 
 IGNORE_INDEX = -100
 
@@ -33,6 +36,25 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     targets = torch.full_like(labels, IGNORE_INDEX)
     targets[:, :-1] = labels[:, 1:]
     return targets
+
+
+def check_right_padding(mask: torch.Tensor) -> None:
+    """Raise unless every row of ``mask`` is ones followed by zeros (right padding).
+
+    No axis passes the mask to the model yet; right padding is exact without it under a
+    causal mask (a real token never attends to a later pad), any other layout is not
+    (real tokens after left pads would attend to them)."""
+    m = mask.bool()
+    if m.dim() != 2:
+        raise ValueError(f"attention_mask must be (batch, sequence); got shape {tuple(m.shape)}")
+    bad = (m[:, 1:] & ~m[:, :-1]).any(dim=1).nonzero().flatten()
+    if bad.numel():
+        raise ValueError(
+            f"attention_mask is not right padding: row(s) {bad.tolist()[:8]} have a masked "
+            "position before an unmasked one (left padding, or gaps between documents). "
+            "paraxis does not pass the mask to the model yet, so real tokens would attend "
+            "to the pads and the loss would differ from the model's own. Pad on the right "
+            "(labels at padded positions are ignored), or pack rows without padding")
 
 
 @dataclass(frozen=True)
@@ -61,6 +83,9 @@ class Batch:
             mask = None if mask is None or bool(mask.bool().all()) else mask
         else:
             ids = labels = batch
+        if mask is not None:
+            check_right_padding(mask)
+            labels = labels.masked_fill(~mask.bool().expand_as(labels), IGNORE_INDEX)
         return cls(ids, shift_labels(labels), padding_mask=mask)
 
     @property
