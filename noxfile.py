@@ -1,8 +1,9 @@
 """Sessions: demo, tests, tests_isolated, lint, bench, coverage.
 
-    nox -s tests            everything, in one environment with every package
-    nox -s tests_isolated   each package's tests with only core and that package installed
-    nox -s lint             ruff
+    nox -s tests            the cross-package tests with every package installed, then
+                            each package's own tests with only core and that package
+    nox -s tests_isolated   the same per-package runs, each in a fresh environment
+    nox -s lint             ruff, and import-linter's contracts (core's layers)
     nox -s demo             the default multi-process training run
     nox -s bench            the paired benchmarks (updates benchmarks/RESULTS.md)
     nox -s coverage         every transformers causal LM, every axis (docs/coverage.md)
@@ -36,6 +37,19 @@ def install_all(session: nox.Session) -> None:
     session.install(*(f"--editable={p}" for p in PACKAGES))
 
 
+def _meta(package: str) -> dict:
+    return nox.project.load_toml(f"{package}/pyproject.toml")
+
+
+def _needs(package: str) -> list[str]:
+    """The other paraxis packages a package's tests need (an integration's
+    ``[tool.paraxis] requires``)."""
+    return _meta(package).get("tool", {}).get("paraxis", {}).get("requires", [])
+
+
+DISTS = sorted(_meta(p)["project"]["name"] for p in PACKAGES)
+
+
 # pytest-xdist: whole files per worker (module fixtures stay shared), at most 4 workers
 # (each may hold worlds of up to 8 ranks in memory).
 XDIST = ["-n", str(min(4, os.cpu_count() or 1)), "--dist", "loadfile"]
@@ -45,10 +59,24 @@ TEST_ENV = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Every package's tests and the cross-package tests, in one environment."""
-    install_all(session)
-    session.install(*DEV)
-    session.run("pytest", *XDIST, *session.posargs, env=TEST_ENV)
+    """The cross-package tests (tests/) with every package installed; then, in the same
+    environment, each package's own tests with only core and that package of paraxis
+    installed (``pip uninstall`` the others, no reinstall of torch or transformers), which
+    is how a user who installs one axis gets it. Every test runs once."""
+    session.install(TORCH)
+    session.install(*DEV, *(f"--editable={_with_test_extra(p)}" for p in PACKAGES))
+    session.run("pytest", *XDIST, "tests", *session.posargs, env=TEST_ENV)
+    for package in PACKAGES:
+        _alone(session, package)
+        session.run("pytest", *XDIST, f"{package}/tests", *session.posargs, env=TEST_ENV)
+    session.install("--no-deps", *(f"--editable={p}" for p in PACKAGES))  # whole again
+
+
+def _alone(session: nox.Session, package: str) -> None:
+    """Leave only core, ``package`` and what its tests need of paraxis installed."""
+    session.run("pip", "uninstall", "--quiet", "--yes", *DISTS, silent=True)
+    keep = dict.fromkeys([CORE, package, *_needs(package)])
+    session.install("--no-deps", *(f"--editable={p}" for p in keep))
 
 
 def _with_test_extra(package: str) -> str:
@@ -66,17 +94,24 @@ def tests_isolated(session: nox.Session, package: str) -> None:
     which is how a user who installs one axis gets it; a package needing another
     paraxis package (an integration) lists it under ``[tool.paraxis] requires``."""
     session.install(TORCH)
-    meta = nox.project.load_toml(f"{package}/pyproject.toml")
-    needs = meta.get("tool", {}).get("paraxis", {}).get("requires", [])
-    session.install(*{f"./{CORE}", _with_test_extra(package), *(f"./{n}" for n in needs)},
-                    "pytest", "pytest-timeout")
+    needs = (f"./{n}" for n in _needs(package))
+    session.install(*{f"./{CORE}", _with_test_extra(package), *needs}, "pytest", "pytest-timeout")
     session.run("pytest", f"{package}/tests", *session.posargs, env=TEST_ENV)
+
+
+SOURCES = [str(p) for p in sorted([*ROOT.glob("packages/*/src"),
+                                   *ROOT.glob("integrations/*/src")])]
 
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    session.install("ruff")
+    """ruff, then import-linter's contracts (pyproject.toml): core's layers in order, no
+    cycle, no axis imported by core, axes through the contract only, no axis importing
+    another, no pytest in product code. import-linter reads the sources; nothing is
+    installed but the two tools."""
+    session.install("ruff", "import-linter")
     session.run("ruff", "check", ".")
+    session.run("lint-imports", "--no-cache", env={"PYTHONPATH": os.pathsep.join(SOURCES)})
 
 
 @nox.session

@@ -5,7 +5,7 @@
 One engine (core's tiny model, data 2, AdamW) trains; after every step one kind of save
 runs, alternating which goes first each round: ``sync`` (paraxis.checkpoint.
 save_checkpoint: copy, write, checksum, publish, barrier) and ``async``
-(paraxis.checkpoint_async.AsyncSaver: host snapshot and one all-gather on the training
+(paraxis.checkpoint.background.AsyncSaver: host snapshot and one all-gather on the training
 thread, the rest in a background thread). The stall is the wall time the training loop
 spends inside ``save`` (between barriers, so it covers the slowest rank); for async the
 next training step's time (the writer thread competes for the cores) and the time left
@@ -26,9 +26,9 @@ import torch.distributed as dist
 from common import machine, median, write_section
 
 import paraxis
-from paraxis.checkpoint import save_checkpoint
-from paraxis.checkpoint_async import AsyncSaver
-from paraxis.tiny import TinyConfig, TinyTransformer
+from paraxis.checkpoint.background import AsyncSaver
+from paraxis.checkpoint.write import save_checkpoint
+from paraxis.models.tiny import TinyConfig, TinyTransformer
 
 
 def parse() -> argparse.Namespace:

@@ -30,10 +30,10 @@ import torch.distributed as dist
 from common import build_llama, machine, write_section
 
 import paraxis
-from paraxis.batch import Batch
-from paraxis.engine import causal_lm_loss_sum
-from paraxis.grid import Grid
+from paraxis.engine.loss import causal_lm_loss_sum
+from paraxis.parallel.batch import Batch
 from paraxis.planner.measure import SavedActivations
+from paraxis.runtime.grid import Grid
 from paraxis.testing import DistributedWorld
 from paraxis_seq import ring_attention, shard
 from paraxis_seq.ulysses import kv_replication

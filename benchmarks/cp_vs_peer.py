@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from common import alternate, machine, median, write_section
 
-from paraxis.grid import Grid
+from paraxis.runtime.grid import Grid
 from paraxis_seq import ring_attention, shard, ulysses_attention
 
 

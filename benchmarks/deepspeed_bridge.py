@@ -26,7 +26,7 @@ import torch.distributed as dist
 from common import alternate, machine, median, write_section
 
 import paraxis
-from paraxis.tiny import TinyConfig, TinyTransformer
+from paraxis.models.tiny import TinyConfig, TinyTransformer
 
 
 def parse() -> argparse.Namespace:

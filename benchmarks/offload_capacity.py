@@ -21,8 +21,8 @@ import torch.distributed as dist
 from common import machine, write_section
 
 import paraxis
-from paraxis.run_config import RunConfig
-from paraxis.tiny import TinyConfig, TinyTransformer
+from paraxis.config.run import RunConfig
+from paraxis.models.tiny import TinyConfig, TinyTransformer
 
 
 def parse() -> argparse.Namespace:

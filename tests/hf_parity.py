@@ -72,8 +72,7 @@ def compare(worlds, family, degrees, *, overrides=None, steps=8, seq=SEQ, batch=
     single = {k: v for k, v in options.items()
               if k in ("activation_checkpointing", "microbatches", "moe")}
     config = ParallelConfig.from_kwargs(**degrees, **options)
-    par = config.parallelism
-    order = reference_order(par.data * par.expert, config.schedule.microbatches, batch)
+    order = reference_order(config.sample_shards, config.schedule.microbatches, batch)
     order = None if order == sorted(order) else order
     key = (family, repr(sorted(overrides.items())), steps, repr(sorted(single.items())),
            repr(order), seq, batch)

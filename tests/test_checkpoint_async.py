@@ -11,8 +11,8 @@ import torch
 
 import paraxis
 from paraxis import ParallelConfig
-from paraxis.config import CheckpointConfig
-from paraxis.tiny import TinyConfig, TinyTransformer
+from paraxis.config.parallel import CheckpointConfig
+from paraxis.models.tiny import TinyConfig, TinyTransformer
 
 CFG = TinyConfig(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4,
                  intermediate_size=64, seq_length=16)

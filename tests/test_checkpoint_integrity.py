@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import paraxis
-from paraxis.checkpoint import resolve
-from paraxis.checkpoint_files import CheckpointError
-from paraxis.tiny import TinyConfig, TinyTransformer
+from paraxis.checkpoint.files import CheckpointError
+from paraxis.checkpoint.format import resolve
+from paraxis.models.tiny import TinyConfig, TinyTransformer
 
 CFG = TinyConfig(vocab_size=64, hidden_size=16, num_layers=2, num_heads=2,
                  intermediate_size=32, seq_length=16)
@@ -91,7 +91,7 @@ def test_a_checkpoint_from_another_model_is_refused(worlds, saved):
 
 SAVER = """
 import sys, torch, paraxis
-from paraxis.tiny import TinyConfig, TinyTransformer
+from paraxis.models.tiny import TinyConfig, TinyTransformer
 cfg = TinyConfig(vocab_size=64, hidden_size=16, num_layers=2, num_heads=2,
                  intermediate_size=32, seq_length=16)
 torch.manual_seed(0)

@@ -7,10 +7,10 @@ import torch
 from safetensors import safe_open
 
 import paraxis
-from paraxis.run_config import RunConfig
+from paraxis.config.run import RunConfig
+from paraxis.models.tiny import TinyConfig, TinyTransformer
 from paraxis.testing import run_distributed
-from paraxis.tiny import TinyConfig, TinyTransformer
-from paraxis.trainer import train
+from paraxis.train.loop import train
 
 
 def run_config(steps, ckpt=None, data=2, exit_after=None):

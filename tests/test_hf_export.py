@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import paraxis
-from paraxis.cli import main
+from paraxis.cli.main import main
 from paraxis.testing.parity import assemble, local_shards
 
 pytest.importorskip("transformers")

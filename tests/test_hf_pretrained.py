@@ -163,8 +163,8 @@ def test_each_rank_reads_only_its_slices(worlds, tmp_path):
 
 
 def train_yaml(directory, degrees):
-    from paraxis.run_config import RunConfig
-    from paraxis.trainer import train
+    from paraxis.config.run import RunConfig
+    from paraxis.train.loop import train
 
     history = []
     train(RunConfig.from_dict({

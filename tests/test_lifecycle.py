@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from paraxis.launch import free_port
+from paraxis.runtime.world import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "examples/tiny.yaml")

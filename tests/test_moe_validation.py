@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("paraxis_moe")
 
 import paraxis
-from paraxis.errors import ConfigError
+from paraxis.config.errors import ConfigError
 from paraxis_hf import build_debug_model
 
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import paraxis
+from paraxis.models.tiny import TinyConfig, TinyTransformer
 from paraxis.testing.parity import assemble
 from paraxis.testing.tolerance import assert_losses_close, assert_weights_close
-from paraxis.tiny import TinyConfig, TinyTransformer
 
 pytest.importorskip("paraxis_deepspeed")
 pytest.importorskip("paraxis_tp")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import paraxis
-from paraxis.batch import Batch
+from paraxis.parallel.batch import Batch
 from paraxis.testing.tolerance import REDUCTION_RTOL
 from paraxis_hf import build_debug_model
 

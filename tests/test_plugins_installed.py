@@ -1,7 +1,7 @@
 """With every package installed, entry points wire the axes and integrations into core."""
 
 from paraxis import ParallelConfig, make_plugin_manager
-from paraxis.strategy import resolve_strategies
+from paraxis.engine.resolve import resolve_strategies
 
 
 def test_installed_entry_points_are_found():

@@ -9,10 +9,10 @@ import torch
 pytest.importorskip("transformers")
 
 from paraxis import ParallelConfig
-from paraxis.batch import shift_labels
-from paraxis.engine import causal_lm_loss_sum
+from paraxis.engine.loss import causal_lm_loss_sum
+from paraxis.engine.probe import Probe
+from paraxis.parallel.batch import shift_labels
 from paraxis.testing.tolerance import assert_losses_close
-from paraxis.verify import Probe
 
 REFORMER = dict(attention_head_size=16, attn_layers=["local", "local"], axial_pos_shape=[4, 4],
                 axial_pos_embds_dim=[16, 16], feed_forward_size=64, hidden_size=32,

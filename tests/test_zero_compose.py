@@ -11,9 +11,9 @@ import torch
 
 import paraxis
 from paraxis import ParallelConfig
+from paraxis.models.tiny import TinyConfig, TinyTransformer
 from paraxis.testing.parity import assemble, local_shards, train_on_random_tokens
 from paraxis.testing.tolerance import assert_losses_close, assert_weights_close
-from paraxis.tiny import TinyConfig, TinyTransformer
 from paraxis_hf import build_debug_model
 
 LR, STEPS, SAVE, BATCH, SEQ = 1e-3, 6, 3, 8, 16
@@ -98,7 +98,7 @@ def moe_run(options):
 def test_zero_over_expert_replicas_matches_one_process(worlds, zero):
     """data=1: dense parameters are sharded over the expert ranks (their replicas),
     expert parameters (no replica) stay whole, and every gradient is divided by the
-    ranks holding distinct tokens (paraxis.buckets.token_replicas), so this is the
+    ranks holding distinct tokens (Grid.token_replicas), so this is the
     one-process model's training."""
     plain = worlds.run(1, moe_run, {})
     out = worlds.run(2, moe_run, {"expert": 2, "zero": zero})

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import paraxis
+from paraxis.models.tiny import TinyConfig, TinyTransformer
 from paraxis.testing.tolerance import assert_losses_close
-from paraxis.tiny import TinyConfig, TinyTransformer
 
 CFG = TinyConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
                  intermediate_size=64, seq_length=16)

@@ -9,11 +9,11 @@ import torch
 import torch.distributed as dist
 
 import paraxis
-from paraxis.placement import placement_of
-from paraxis.plugins import make_plugin_manager
-from paraxis.run_config import RunConfig
+from paraxis.config.run import RunConfig
+from paraxis.engine.plugins import make_plugin_manager
+from paraxis.parallel.placement import placement_of
 from paraxis.testing.tolerance import assert_losses_close
-from paraxis.trainer import build_model, train
+from paraxis.train.loop import build_model, train
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "offload.yaml"
 OVERRIDES = ["model.config.hidden_size=32", "model.config.num_layers=2",

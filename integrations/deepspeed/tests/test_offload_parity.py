@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 import paraxis
+from paraxis.models.tiny import TinyConfig, TinyTransformer
 from paraxis.testing.parity import assemble, local_shards
 from paraxis.testing.tolerance import assert_losses_close, assert_weights_close
-from paraxis.tiny import TinyConfig, TinyTransformer
 
 CFG = TinyConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
                  intermediate_size=64, seq_length=16)

@@ -5,9 +5,9 @@ import json
 import pytest
 
 from paraxis import ConfigError, ParallelConfig, make_plugin_manager, validate
-from paraxis.cli import main
-from paraxis.run_config import TrainSection
-from paraxis.strategy import required_axes
+from paraxis.cli.main import main
+from paraxis.config.run import TrainSection
+from paraxis.engine.resolve import required_axes
 from paraxis_deepspeed import deepspeed_config, rules, version
 
 OFFLOAD3 = {"optimizer": "cpu", "parameters": "cpu"}

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from paraxis import PlanError, make_plugin_manager
-from paraxis.batch import shift_labels
-from paraxis.engine import causal_lm_loss_sum
-from paraxis.plan import find_plan
+from paraxis.engine.loss import causal_lm_loss_sum
+from paraxis.parallel.batch import shift_labels
+from paraxis.parallel.model_plan import find_plan
 from paraxis.testing.tolerance import assert_step_close
 from paraxis_hf import DEBUG_CONFIGS, build_debug_model
 

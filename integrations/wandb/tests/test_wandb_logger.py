@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from paraxis.run_config import RunConfig
+from paraxis.config.run import RunConfig
 from paraxis_wandb import WandbLogger
 
 

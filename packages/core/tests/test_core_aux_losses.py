@@ -1,10 +1,10 @@
-"""The auxiliary-loss channel (paraxis.batch.AuxLosses): parts, and carries that keep a
+"""The auxiliary-loss channel (paraxis.parallel.batch.AuxLosses): parts, and carries that keep a
 loss joint over pipeline stages exact, walked through by hand as a runner does."""
 
 import pytest
 import torch
 
-from paraxis.batch import AuxLosses
+from paraxis.parallel.batch import AuxLosses
 
 
 def test_parts_are_summed_scaled_and_counted():

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from paraxis import collectives as C
-from paraxis.grid import Grid
+from paraxis.runtime import differentiable as C
+from paraxis.runtime.grid import Grid
 
 
 def _grid():

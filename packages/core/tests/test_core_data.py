@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from paraxis.data import BatchStream, ByteTokenizer, iter_documents, pack
-from paraxis.run_config import DataSection
+from paraxis.config.run import DataSection
+from paraxis.train.data import BatchStream, ByteTokenizer, iter_documents, pack
 
 
 def test_default_corpus_is_the_stdlib_and_offline():
@@ -78,7 +78,7 @@ def test_local_hugging_face_tokenizer(tmp_path):
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>",
                             unk_token="<unk>").save_pretrained(tmp_path / "tok")
     (tmp_path / "corpus.txt").write_text("def f(x): return x\n" * 50)
-    from paraxis.data import load_tokenizer
+    from paraxis.train.data import load_tokenizer
 
     tokenizer = load_tokenizer(str(tmp_path / "tok"))
     rows = pack(DataSection(source=str(tmp_path / "corpus.txt")), 8, tokenizer)

@@ -9,7 +9,7 @@ from torch import nn
 import paraxis
 import paraxis.testing
 from paraxis import MissingAxisPackageError, make_plugin_manager
-from paraxis.tiny import TinyConfig, TinyTransformer
+from paraxis.models.tiny import TinyConfig, TinyTransformer
 
 CFG = TinyConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
                  intermediate_size=64, seq_length=16)
@@ -47,7 +47,7 @@ def test_one_rank_engine_reports_metrics_and_learns(worlds, tmp_path):
 
 
 def test_clipped_norm_bounds_the_update():
-    from paraxis.optim import WarmupCosine
+    from paraxis.engine.optim import WarmupCosine
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     sched = WarmupCosine(opt, warmup=2, total=10, min_ratio=0.1)

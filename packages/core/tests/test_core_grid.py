@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from paraxis import AXES, Grid, GridLayout
-from paraxis.grid import DENSE_REPLICA_AXES, EXPERT_REPLICA_AXES
+from paraxis.runtime.grid import DENSE_REPLICA_AXES, EXPERT_REPLICA_AXES
 
 
 def factorizations(n):

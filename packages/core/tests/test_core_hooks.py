@@ -7,8 +7,10 @@ import pytest
 from torch import nn
 
 from paraxis import MissingAxisPackageError, ParallelConfig, Phase, Strategy, hookspecs
-from paraxis.plugins import collect_strategies, make_plugin_manager
-from paraxis.strategy import ApplyContext, apply_strategies, required_axes, resolve_strategies
+from paraxis.engine.apply import apply_strategies
+from paraxis.engine.plugins import collect_strategies, make_plugin_manager
+from paraxis.engine.resolve import required_axes, resolve_strategies
+from paraxis.parallel.strategy import ApplyContext
 
 
 def test_every_hookspec_is_documented():

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from paraxis import Placement, placement_of
-from paraxis.placement import record_replicated, set_placement
+from paraxis.parallel.placement import record_replicated, set_placement
 
 
 def test_core_records_every_parameter_as_replicated_once():
@@ -107,7 +107,8 @@ def test_data_shards_of_packed_blocks_and_of_another_dim():
 def test_nested_shards_read_back_from_a_checkpoint_on_another_layout(tmp_path):
     from safetensors.torch import save_file
 
-    from paraxis.checkpoint import _pieces, _Reader
+    from paraxis.checkpoint.format import pieces
+    from paraxis.checkpoint.read import Reader
 
     full = torch.randn(10, 4)
     base = Placement("w", (10, 4), torch.float32, replicated=("data", "tensor"))
@@ -122,16 +123,16 @@ def test_nested_shards_read_back_from_a_checkpoint_on_another_layout(tmp_path):
                                      "shards": []}}}
     for name, local, rec in shards:
         tensors = {}
-        for suffix, view, _, region in _pieces(local, rec):
+        for suffix, view, _, region in pieces(local, rec):
             tensors[f"model/w{suffix}"] = view.contiguous()
             index["tensors"]["model/w"]["shards"].append(
                 {"file": name, "key": f"model/w{suffix}", "offsets": region})
         save_file(tensors, str(tmp_path / name))
-    reader = _Reader(tmp_path, index)
+    reader = Reader(tmp_path, index)
     # another layout: data 4 over the whole tensor (plain ZeRO, no tensor parallel)
     for r in range(4):
         want, rec = _data_shard(base, full, 4, r)
         got = torch.zeros_like(want)
-        for suffix, view, _, region in _pieces(got, rec):
+        for suffix, view, _, region in pieces(got, rec):
             view.copy_(reader.read(f"model/w{suffix}", region))
         assert torch.equal(got, want)

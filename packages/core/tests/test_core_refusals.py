@@ -9,11 +9,11 @@ from torch import nn
 
 import paraxis
 from paraxis import ModelPlan, Phase, PlanError, Strategy
-from paraxis.hookspecs import hookimpl
-from paraxis.numerics import REDUCTION_RTOL
-from paraxis.plugins import make_plugin_manager
-from paraxis.stages import StageSpec, check_stages
-from paraxis.tiny import TINY_PLAN, TinyCalls, TinyConfig, TinyTransformer
+from paraxis.engine.plugins import make_plugin_manager
+from paraxis.models.tiny import TINY_PLAN, TinyCalls, TinyConfig, TinyTransformer
+from paraxis.parallel.hookspecs import hookimpl
+from paraxis.parallel.numerics import REDUCTION_RTOL
+from paraxis.parallel.stages import StageSpec, check_stages
 
 CFG = TinyConfig(vocab_size=32, hidden_size=16, num_layers=4, num_heads=2,
                  intermediate_size=32, seq_length=16)
@@ -189,8 +189,8 @@ def die_mid_step():
     """Rank 2 dies while the others wait in an all-reduce of the data axis."""
     import os
 
-    from paraxis.collectives import all_reduce_
-    from paraxis.grid import Grid
+    from paraxis.runtime.collectives import all_reduce_
+    from paraxis.runtime.grid import Grid
     grid = Grid.build({"data": dist.get_world_size()})
     all_reduce_(torch.ones(4), grid.group("data"))  # everyone alive: fine
     if grid.rank == 2:

@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from paraxis import ConfigError, ModelShape, ParallelConfig, make_plugin_manager, validate
-from paraxis.hookspecs import hookimpl
-from paraxis.validation import check
+from paraxis.config.rules import check
+from paraxis.parallel.hookspecs import hookimpl
 
 LLAMA = ModelShape(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                    num_layers=2, vocab_size=250, intermediate_size=96, seq_length=30)

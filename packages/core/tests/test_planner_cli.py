@@ -1,11 +1,13 @@
 """``paraxis plan`` and ``paraxis validate --device-memory`` end to end, in process."""
 
+import importlib.util
 import json
 import xml.dom.minidom
 
 import pytest
 
-from paraxis.cli import main
+from paraxis.cli.main import main
+from paraxis.config.parallel import ParallelConfig
 
 TINY = {"vocab_size": 256, "hidden_size": 64, "num_layers": 4, "num_heads": 4,
         "intermediate_size": 128, "seq_length": 64}
@@ -70,7 +72,6 @@ def test_search_ranks_and_svg_parses(capsys, tiny_yaml, tmp_path):
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--device-memory", "80 gigs"], "--device-memory '80 gigs' is not a quantity"),
-    (["--tensor", 3], "must be divisible by the tensor degree 3"),
     (["--world-size", 6, "--data", 2, "--tensor", 2, "--pipeline", 1, "--expert", 1,
       "--context", 1], "is not the product of the degrees"),
     (["--world-size", 6, "--tensor", 4], "do not divide --world-size 6"),
@@ -90,12 +91,33 @@ def test_unknown_model_type_is_one_line(capsys, tmp_path):
     assert code == 1 and "model_type 'no_such_model'" in err and err.count("\n") == 1
 
 
-def test_validate_warns_when_the_plan_does_not_fit(capsys, tiny_yaml):
-    code = main(["validate", "--config", str(tiny_yaml), "--device-memory", "1MB"])
+def test_rules_of_a_missing_axis_package_are_named_unchecked(capsys, tiny_yaml):
+    """Core alone: the tensor axis' rules (paraxis-tp-layers) cannot be checked, and the
+    plan says so instead of planning as if they passed."""
+    from paraxis.engine.plugins import make_plugin_manager
+    from paraxis.planner.evaluate import unchecked_axes
+
+    none = make_plugin_manager(load_entrypoints=False)
+    layout = ParallelConfig.from_kwargs(tensor=3, data=2)
+    assert unchecked_axes(layout, none) == ("tensor", "data")
+    code, out, err = run(capsys, "--model", tiny_yaml, "--tensor", 3)
+    if importlib.util.find_spec("paraxis_tp") is None:
+        assert code == 0, err
+        assert "unchecked  the rules of tensor were not checked" in out
+        assert "pip install paraxis-tp-layers" in out
+    else:  # installed: its rule refuses 3 heads' worth of width (tests/test_plan_rules.py)
+        assert code == 1 and "must be divisible by the tensor degree 3" in err
+
+
+def test_validate_warns_when_the_plan_does_not_fit(capsys, tmp_path):
+    path = tmp_path / "run.yaml"  # one rank: core's own axes only
+    path.write_text(f"model: {{family: tiny, config: {json.dumps(TINY)}}}\n"
+                    "train: {global_batch: 8, seq_length: 64, bf16: true}\n")
+    code = main(["validate", "--config", str(path), "--device-memory", "1MB"])
     out, err = capsys.readouterr()
     assert code == 0 and "valid" in out
     assert "warning:" in err and "the largest term is" in err
-    assert main(["validate", "--config", str(tiny_yaml), "--device-memory", "80GB"]) == 0
+    assert main(["validate", "--config", str(path), "--device-memory", "80GB"]) == 0
     assert "warning" not in capsys.readouterr().err
-    assert main(["validate", "--config", str(tiny_yaml), "--device-memory", "lots"]) == 1
+    assert main(["validate", "--config", str(path), "--device-memory", "lots"]) == 1
     assert "--device-memory 'lots'" in capsys.readouterr().err

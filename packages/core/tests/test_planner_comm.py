@@ -4,11 +4,11 @@ import itertools
 
 import pytest
 
-from paraxis.grid import GridLayout
 from paraxis.planner.comm import communication, link_of
 from paraxis.planner.evaluate import make_layout
 from paraxis.planner.inputs import Workload
 from paraxis.planner.model import LayerCount, ModelCounts
+from paraxis.runtime.grid import GridLayout
 
 H, A, LAYERS, V = 1024, 16, 8, 32000
 
@@ -87,12 +87,11 @@ def test_expert_all_to_all_volume():
 
 
 def test_context_ulysses_and_ring_volumes():
-    work = Workload(seq=4096, global_batch=8, micro_batch=1, context_impl="ulysses")
-    axes, m = comm({"context": 4}, work=work, c=counts(kv=4))
+    work = Workload(seq=4096, global_batch=8, micro_batch=1)
+    axes, m = comm({"context": 4}, {"context_mode": "ulysses"}, work=work, c=counts(kv=4))
     kv = 4 * (H // A)
     per_layer = 2 * (2 * H + 2 * kv) * 4096 / 4 * 3 / 4  # forward and backward
     assert axes["context"].bytes == pytest.approx(per_layer * 2 * LAYERS * m)
-    work = Workload(seq=4096, global_batch=8, micro_batch=1, context_impl="ring")
-    axes, m = comm({"context": 4}, work=work, c=counts(kv=4))
+    axes, m = comm({"context": 4}, {"context_mode": "ring"}, work=work, c=counts(kv=4))
     assert axes["context"].bytes == pytest.approx(3 * 2 * 4096 * kv * 3 / 4 * 2 * LAYERS * m)
     assert axes["context"].overlap.startswith("yes")

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from paraxis import make_plugin_manager
-from paraxis.hookspecs import hookimpl
+from paraxis.models.tiny import TinyConfig, TinyTransformer
+from paraxis.parallel.hookspecs import hookimpl
 from paraxis.planner.model import (
     ModelSource,
     build_on_meta,
@@ -15,7 +16,6 @@ from paraxis.planner.model import (
     load_model_source,
 )
 from paraxis.planner.units import PlanInputError
-from paraxis.tiny import TinyConfig, TinyTransformer
 
 
 def tiny_counts(**cfg):

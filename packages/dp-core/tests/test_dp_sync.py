@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paraxis import Grid, ParallelConfig
-from paraxis.placement import Placement, record_replicated, set_placement
+from paraxis.parallel.placement import Placement, record_replicated, set_placement
 from paraxis_dp import DataParallel
 
 

@@ -56,7 +56,7 @@ def shares(world, shape, seed, dtype=torch.float32):
 def plan_of(model):
     """The plan paraxis-hf would give: the modules holding an ``experts`` child (the
     package's own tests run without paraxis-hf installed)."""
-    from paraxis.plan import ModelPlan
+    from paraxis.parallel.model_plan import ModelPlan
 
     blocks = tuple(n for n, m in model.named_modules()
                    if isinstance(getattr(m, "experts", None), torch.nn.Module))

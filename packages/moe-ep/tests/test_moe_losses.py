@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 from moe_tiny_models import NUM_EXPERTS, TOP_K, build
 
-from paraxis.grid import DENSE_REPLICA_AXES, Grid
+from paraxis.runtime.grid import DENSE_REPLICA_AXES, Grid
 from paraxis.testing.tolerance import assert_losses_close, assert_step_close
 from paraxis_moe import ExpertParallel, MoEConfig
 from paraxis_moe.router import AUX_LOSS, Z_LOSS

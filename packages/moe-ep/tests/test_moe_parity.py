@@ -14,8 +14,8 @@ pytest.importorskip("transformers")
 
 from moe_tiny_models import HIDDEN, NUM_EXPERTS, TOP_K, build, shares
 
-from paraxis.grid import Grid
-from paraxis.placement import Shard, placement_of, record_replicated
+from paraxis.parallel.placement import Shard, placement_of, record_replicated
+from paraxis.runtime.grid import Grid
 from paraxis.testing.tolerance import assert_step_close
 from paraxis_moe import ExpertParallel, MoEConfig, expert_capacity, keep_mask
 

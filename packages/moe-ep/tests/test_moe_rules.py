@@ -5,10 +5,11 @@ import torch
 from torch import nn
 
 from paraxis import ParallelConfig
-from paraxis.errors import ConfigError
-from paraxis.grid import AxisGroup
-from paraxis.plugins import make_plugin_manager
-from paraxis.validation import ModelShape, validate
+from paraxis.config.errors import ConfigError
+from paraxis.config.rules import validate
+from paraxis.config.shape import ModelShape
+from paraxis.engine.plugins import make_plugin_manager
+from paraxis.runtime.grid import AxisGroup
 from paraxis_moe import UnsupportedMoELayout, expert_capacity, keep_mask
 from paraxis_moe import _plugin as moe_plugin
 from paraxis_moe.config import moe_problems
@@ -131,7 +132,7 @@ def test_group_of_one_runs_without_processes():
 
 
 def test_grouped_keep_mask_is_each_groups_own_mask():
-    from paraxis.config import MoEConfig
+    from paraxis.config.parallel import MoEConfig
     from paraxis_moe.capacity import grouped_keep_mask
 
     g = torch.Generator().manual_seed(0)

@@ -9,11 +9,11 @@ import torch
 from torch import nn
 
 from paraxis import ParallelConfig
-from paraxis.batch import AuxLosses
-from paraxis.grid import AxisGroup
-from paraxis.plan import ModelPlan
-from paraxis.plugins import collect_strategies, make_plugin_manager
-from paraxis.strategy import Phase
+from paraxis.engine.plugins import collect_strategies, make_plugin_manager
+from paraxis.parallel.batch import AuxLosses
+from paraxis.parallel.model_plan import ModelPlan
+from paraxis.parallel.strategy import Phase
+from paraxis.runtime.grid import AxisGroup
 from paraxis_moe import ExpertParallelStrategy
 from paraxis_moe import _plugin as moe_plugin
 from paraxis_moe.router import AUX_LOSS, Z_LOSS

@@ -27,11 +27,21 @@ def test_interleaved_is_legal(p, m, v):
 
 @pytest.mark.parametrize(("name", "p", "m", "v"), [
     ("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 8, 16, 1),
-    ("interleaved_1f1b", 4, 8, 2), ("interleaved_1f1b", 4, 16, 4)])
+    ("interleaved_1f1b", 4, 8, 2), ("interleaved_1f1b", 4, 16, 4),
+    ("zero_bubble_h1", 2, 4, 1), ("zero_bubble_h1", 4, 8, 1), ("zero_bubble_h1", 8, 16, 1)])
 def test_simulated_bubble_matches_theory(name, p, m, v):
     s = build(name, p, m, v)
     # Equal stages, backward twice the forward (B + W), as the formulas assume.
     assert simulate(s, f=1, b=1, w=1).bubble == pytest.approx(theoretical_bubble(s))
+
+
+def test_the_registry_builds_exactly_the_configs_schedules():
+    """One list of names (paraxis.config.parallel.PIPELINE_SCHEDULES): the config, the
+    planner and the CLI accept exactly what this package builds."""
+    from paraxis.config.parallel import PIPELINE_SCHEDULES
+    from paraxis_pp.schedules import SCHEDULES
+
+    assert tuple(SCHEDULES) == PIPELINE_SCHEDULES
 
 
 def test_zero_bubble_beats_1f1b_at_the_same_memory():

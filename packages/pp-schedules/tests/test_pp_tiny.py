@@ -8,9 +8,9 @@ import torch.distributed as dist
 
 import paraxis
 from paraxis import ParallelConfig
+from paraxis.models.tiny import TinyConfig, TinyTransformer
 from paraxis.testing.parity import assert_same_weights, local_shards
 from paraxis.testing.tolerance import assert_losses_close
-from paraxis.tiny import TinyConfig, TinyTransformer
 
 CFG = TinyConfig(vocab_size=61, hidden_size=32, num_layers=4, num_heads=4,
                  intermediate_size=64, seq_length=16)

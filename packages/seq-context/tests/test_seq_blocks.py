@@ -6,8 +6,8 @@ import pytest
 import torch
 from seq_reference import full_and_grads, qkv, reference
 
-from paraxis.collectives import CommStats
-from paraxis.grid import AxisGroup
+from paraxis.runtime.collectives import CommStats
+from paraxis.runtime.grid import AxisGroup
 from paraxis.testing.tolerance import FP64_RTOL
 from paraxis_seq.blockwise import block_backward, block_forward, merge, plan_block, visible
 from paraxis_seq.ring import ring_attention, step_plan

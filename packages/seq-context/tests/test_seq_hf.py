@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from paraxis.collectives import CommStats, all_reduce_
-from paraxis.grid import AxisGroup, Grid
+from paraxis.runtime.collectives import CommStats, all_reduce_
+from paraxis.runtime.grid import AxisGroup, Grid
 from paraxis.testing.tolerance import FP64_RTOL
 from paraxis_seq.hf_attention import attention_function, interceptable, use_context_attention
 from paraxis_seq.zigzag import shard

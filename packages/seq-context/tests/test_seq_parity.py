@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from seq_reference import full_and_grads, qkv
 
-from paraxis.grid import Grid
+from paraxis.runtime.grid import Grid
 from paraxis_seq.ring import ring_attention
 from paraxis_seq.ulysses import kv_replication, ulysses_attention
 from paraxis_seq.zigzag import shard

@@ -1,5 +1,5 @@
 """The context strategy against core's contracts, without processes: the zigzag split of
-a :class:`paraxis.batch.Batch` (ids, shifted targets, positions), the refusal of packed
+a :class:`paraxis.parallel.batch.Batch` (ids, shifted targets, positions), the refusal of packed
 positions and padding masks, the model's attention selected (each pipeline chunk), the
 plugin's rules on the model's shape and on the module itself, and ``parallelize``
 refusing before any process group exists."""
@@ -11,14 +11,15 @@ import torch
 import torch.distributed as dist
 
 import paraxis
-from paraxis.batch import Batch
-from paraxis.collectives import CommStats
-from paraxis.config import ParallelConfig
-from paraxis.errors import ConfigError
-from paraxis.grid import AxisGroup
-from paraxis.plugins import collect_strategies, make_plugin_manager
-from paraxis.stages import PipelineChunks
-from paraxis.validation import ModelShape, validate
+from paraxis.config.errors import ConfigError
+from paraxis.config.parallel import ParallelConfig
+from paraxis.config.rules import validate
+from paraxis.config.shape import ModelShape
+from paraxis.engine.plugins import collect_strategies, make_plugin_manager
+from paraxis.parallel.batch import Batch
+from paraxis.parallel.stages import PipelineChunks
+from paraxis.runtime.collectives import CommStats
+from paraxis.runtime.grid import AxisGroup
 from paraxis_seq import _plugin
 from paraxis_seq.rules import check_context, check_module
 from paraxis_seq.strategy import ContextParallelStrategy, SequenceSplit

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from paraxis import Grid
-from paraxis.collectives import all_gather, copy_to
-from paraxis.placement import record_replicated
+from paraxis.parallel.placement import record_replicated
+from paraxis.runtime.differentiable import all_gather, copy_to
 from paraxis.testing.tolerance import assert_step_close
 from paraxis_tp import (
     TensorParallelRNG,

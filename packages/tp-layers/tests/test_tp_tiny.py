@@ -7,9 +7,9 @@ import torch.distributed as dist
 
 import paraxis
 from paraxis import ModelPlan, PlanError
+from paraxis.models.tiny import TINY_PLAN, TinyConfig, TinyTransformer
 from paraxis.testing.parity import assert_same_weights, local_shards
 from paraxis.testing.tolerance import assert_losses_close
-from paraxis.tiny import TINY_PLAN, TinyConfig, TinyTransformer
 
 CFG = TinyConfig(vocab_size=61, hidden_size=32, num_layers=2, num_heads=4,
                  intermediate_size=64, seq_length=16)

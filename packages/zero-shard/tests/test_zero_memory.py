@@ -15,8 +15,8 @@ import torch
 from zero_tiny import TRAIN
 
 import paraxis
+from paraxis.models.tiny import TinyConfig, TinyTransformer
 from paraxis.planner.memory import model_state_bytes
-from paraxis.tiny import TinyConfig, TinyTransformer
 
 CFG = TinyConfig(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4,
                  intermediate_size=128, seq_length=16)

@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from paraxis import ParallelConfig
-from paraxis.errors import ConfigError, MissingAxisPackageError
-from paraxis.grid import AxisGroup
-from paraxis.placement import Placement
-from paraxis.plugins import make_plugin_manager
-from paraxis.strategy import resolve_strategies
-from paraxis.validation import validate
+from paraxis.config.errors import ConfigError, MissingAxisPackageError
+from paraxis.config.rules import validate
+from paraxis.engine.plugins import make_plugin_manager
+from paraxis.engine.resolve import resolve_strategies
+from paraxis.parallel.placement import Placement
+from paraxis.runtime.grid import AxisGroup
 from paraxis_zero.layout import ShardLayout
 from paraxis_zero.rules import check_zero
 

@@ -7,7 +7,7 @@ import torch
 from zero_tiny import CFG, TRAIN, build, train_steps
 
 import paraxis
-from paraxis.placement import placement_of
+from paraxis.parallel.placement import placement_of
 
 
 def stage3_run():

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paraxis.placement import placement_of
+from paraxis.parallel.placement import placement_of
 
 __all__ = ["ADAM_STATES", "DeepSpeedOptimizer", "OffloadedModel", "full_weights"]
 

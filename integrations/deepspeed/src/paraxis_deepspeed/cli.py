@@ -31,8 +31,8 @@ def add_show_deepspeed(subparsers: Any) -> None:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from paraxis.run_config import RunConfig
-    from paraxis.validation import ModelShape
+    from paraxis.config.run import RunConfig
+    from paraxis.config.shape import ModelShape
     from paraxis_deepspeed.translate import deepspeed_config
 
     config = RunConfig.load(args.config, args.overrides)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from paraxis.grid import DENSE_REPLICA_AXES, AxisGroup, Grid
+from paraxis.runtime.grid import DENSE_REPLICA_AXES, AxisGroup, Grid
 
 __all__ = ["GridMPU"]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from paraxis.config import ParallelConfig
-from paraxis.errors import Problem
+from paraxis.config.errors import Problem
+from paraxis.config.parallel import ParallelConfig
 from paraxis_deepspeed.version import SUPPORTED_SPEC, installed_version, supported
 
 __all__ = ["aio_problem", "check_offload"]

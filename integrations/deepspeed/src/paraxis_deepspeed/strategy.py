@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from paraxis.collectives import all_reduce_
-from paraxis.placement import placement_of, set_placement
-from paraxis.strategy import ApplyContext, Phase, Strategy, SyncOrder
+from paraxis.parallel.placement import placement_of, set_placement
+from paraxis.parallel.strategy import ApplyContext, Phase, Strategy, SyncOrder
+from paraxis.runtime.collectives import all_reduce_
 from paraxis_deepspeed.bridge import DeepSpeedOptimizer, OffloadedModel
 from paraxis_deepspeed.mpu import GridMPU
 

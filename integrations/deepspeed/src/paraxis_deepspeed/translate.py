@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from paraxis.config import Offload, ParallelConfig
-from paraxis.run_config import TrainSection
+from paraxis.config.parallel import Offload, ParallelConfig
+from paraxis.config.run import TrainSection
 
 __all__ = ["ADAM_EPS", "bucket_sizes", "deepspeed_config", "offload_section"]
 
@@ -73,8 +73,8 @@ def deepspeed_config(config: ParallelConfig, train: TrainSection, *,
     ``hidden_size`` None (no model known) leaves bucket sizes at DeepSpeed's defaults.
     ``pin_memory`` pins offloaded buffers (worth it on CUDA only)."""
     par, mbs = config.parallelism, config.schedule.microbatches
-    replicas = par.data * par.expert * par.context
-    micro = max(1, train.global_batch // (par.data * par.expert * mbs))
+    replicas = config.token_replicas
+    micro = max(1, train.global_batch // (config.sample_shards * mbs))
     return {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": mbs,

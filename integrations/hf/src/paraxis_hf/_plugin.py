@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from paraxis.hookspecs import hookimpl
+from paraxis.parallel.hookspecs import hookimpl
 
 
 @hookimpl

@@ -2,7 +2,7 @@
 written on any grid, as a ``save_pretrained`` directory.
 
 Core assembles every model tensor whole from its shards
-(:func:`paraxis.checkpoint.read_model_tensors`: tensor shards and padded vocabularies,
+(:func:`paraxis.checkpoint.read.read_model_tensors`: tensor shards and padded vocabularies,
 pipeline stages, experts on their ranks, ZeRO shards); the blocks of a packed dimension
 (``#partK``) are joined along the dimension where the model's parameter is ``K`` times
 their size. The model is rebuilt from the config the checkpoint recorded, loaded (a word
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from paraxis.checkpoint import read_model_tensors
-from paraxis.checkpoint_files import CheckpointError
+from paraxis.checkpoint.files import CheckpointError
+from paraxis.checkpoint.read import read_model_tensors
 
 __all__ = ["add_export_command", "export_hf"]
 

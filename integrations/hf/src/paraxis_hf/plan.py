@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from paraxis.plan import ModelPlan
+from paraxis.parallel.model_plan import ModelPlan
 
 __all__ = ["hf_plan"]
 

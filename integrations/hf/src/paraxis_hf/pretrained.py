@@ -1,7 +1,7 @@
 """Start from a Hugging Face checkpoint directory, each rank reading only its slices.
 
 :func:`from_pretrained` builds the model on the meta device (no parameter memory) and
-hands :func:`paraxis.parallelize` a loader (``paraxis.strategy.MATERIALIZE_ATTR``).
+hands :func:`paraxis.parallelize` a loader (``paraxis.parallel.strategy.MATERIALIZE_ATTR``).
 Core calls it once the layout is known, after the pipeline split and the tensor, expert
 and context partitions: each parameter left on this rank gets a tensor of its local
 shape, and each real block of it (``Placement.pieces``: tensor shards, packed blocks,
@@ -22,8 +22,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from paraxis.placement import placement_of
-from paraxis.strategy import MATERIALIZE_ATTR
+from paraxis.parallel.placement import placement_of
+from paraxis.parallel.strategy import MATERIALIZE_ATTR
 
 __all__ = ["SafetensorsDir", "from_pretrained"]
 
@@ -83,7 +83,7 @@ class _Loader:
 
     @torch.no_grad()
     def __call__(self, model: nn.Module) -> None:
-        from paraxis.launch import device_for_rank
+        from paraxis.runtime.world import device_for_rank
 
         device = self.device or device_for_rank()
         for param in model.parameters():

@@ -1,7 +1,7 @@
-"""How a pipeline stage runs a transformers causal LM (:class:`paraxis.stages.StageCalls`).
+"""How a pipeline stage runs a transformers causal LM (:class:`paraxis.parallel.stages.StageCalls`).
 
 Core builds each stage from the model itself (other stages' layers skipped, see
-:mod:`paraxis.stages`); this module only says how to call it: the last stage calls the
+:mod:`paraxis.parallel.stages`); this module only says how to call it: the last stage calls the
 causal LM's own forward for logits, so the head, any logit softcapping or scaling stay
 the model's; the others call its base model (``base_model_prefix``) for the hidden
 states after the layers. Stages after the first pass the received hidden states as
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paraxis.plan import PlanError
+from paraxis.parallel.model_plan import PlanError
 
 __all__ = ["HFStageCalls"]
 

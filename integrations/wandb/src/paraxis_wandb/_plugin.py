@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from paraxis.hookspecs import hookimpl
+from paraxis.parallel.hookspecs import hookimpl
 from paraxis_wandb.logger import WandbLogger
 
 _logger = WandbLogger()

@@ -2,9 +2,9 @@
 and the layer x expert load as a heatmap picture.
 
 paraxis-moe-ep reports them among the step's metrics under ``moe/<block>/<kind>/<expert>``
-(kinds: ``assigned``, ``accepted``, ``dropped``, ``processed``, ``dispatch_bytes``,
-``compute_s``, ``prob_mean``) and ``moe/<block>/prob_hist/<bin>`` (routing probabilities,
-equal bins over [0, 1]). This module only reads those names; it needs no MoE package.
+and ``moe/<block>/prob_hist/<bin>`` (routing probabilities, equal bins over [0, 1]), the
+grammar of :mod:`paraxis.parallel.metric_names`. This module only reads those names; it
+needs no MoE package.
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ import html
 import re
 from typing import Any
 
+from paraxis.parallel.metric_names import MOE_ARRAY_KINDS, parse_moe_array
+
 __all__ = ["KINDS", "heatmap_svg", "split_moe_arrays"]
 
-KINDS = ("assigned", "accepted", "dropped", "processed", "dispatch_bytes", "compute_s",
-         "prob_mean")
-_ARRAY = re.compile(r"^moe/(.+)/(" + "|".join(KINDS) + r"|prob_hist)/(\d+)$")
+# The per-expert columns of the table (the histogram bins are not experts).
+KINDS = tuple(k for k in MOE_ARRAY_KINDS if k != "prob_hist")
 
 Arrays = dict[str, dict[str, list[float]]]
 
@@ -32,12 +33,12 @@ def split_moe_arrays(metrics: dict[str, float]) -> tuple[dict[str, float], Array
     scalars: dict[str, float] = {}
     arrays: Arrays = {}
     for key, value in metrics.items():
-        hit = _ARRAY.match(key)
+        hit = parse_moe_array(key)
         if hit is None:
             scalars[key] = value
             continue
-        values = arrays.setdefault(hit[1], {}).setdefault(hit[2], [])
-        index = int(hit[3])
+        values = arrays.setdefault(hit.block, {}).setdefault(hit.kind, [])
+        index = hit.index
         values.extend([0.0] * (index + 1 - len(values)))
         values[index] = float(value)
     return scalars, {b: arrays[b] for b in sorted(arrays, key=_layer_key)}

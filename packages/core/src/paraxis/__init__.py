@@ -1,19 +1,33 @@
-"""paraxis: train transformer language models over a grid of devices, one axis at a time."""
+"""paraxis: train transformer language models over a grid of devices, one axis at a time.
 
-from paraxis import hookspecs
-from paraxis.api import parallelize
-from paraxis.config import AXES, ParallelConfig
-from paraxis.engine import Engine
-from paraxis.errors import ConfigError, MissingAxisPackageError, Problem
-from paraxis.grid import AxisGroup, Grid, GridLayout, shutdown
-from paraxis.placement import Placement, Shard, placement_of
-from paraxis.plan import ModelPlan, PlanError
-from paraxis.plugins import make_plugin_manager
-from paraxis.run_config import RunConfig
-from paraxis.strategy import ApplyContext, Phase, Strategy, apply_parallelism
-from paraxis.validation import ModelShape, validate
+Core's layers, each importing only those below it (``nox -s lint`` checks it):
 
-__version__ = "0.1.0"
+    cli                     the ``paraxis`` command
+    train | planner         the training loop and its data; the planner
+    engine                  parallelize(), the Engine, the parity probe, plugins
+    checkpoint              checkpoints of any TrainState, on any grid
+    models                  core's own ``tiny`` model family
+    parallel                the contract an axis implements (strategy, placement, hooks)
+    runtime                 processes, the grid, collectives
+    config                  what a run asks for, and its rules
+
+Axis packages import only ``parallel``, ``runtime`` and ``config``.
+"""
+
+from paraxis.config.errors import ConfigError, MissingAxisPackageError, Problem
+from paraxis.config.parallel import AXES, ParallelConfig
+from paraxis.config.rules import validate
+from paraxis.config.run import RunConfig
+from paraxis.config.shape import ModelShape
+from paraxis.engine.apply import apply_parallelism, parallelize
+from paraxis.engine.engine import Engine
+from paraxis.engine.plugins import make_plugin_manager
+from paraxis.parallel import hookspecs
+from paraxis.parallel.model_plan import ModelPlan, PlanError
+from paraxis.parallel.placement import Placement, Shard, placement_of
+from paraxis.parallel.strategy import ApplyContext, Phase, Strategy
+from paraxis.runtime.grid import AxisGroup, Grid, GridLayout, shutdown
+from paraxis.version import __version__
 
 __all__ = [
     "AXES",
@@ -34,6 +48,7 @@ __all__ = [
     "RunConfig",
     "Shard",
     "Strategy",
+    "__version__",
     "apply_parallelism",
     "hookspecs",
     "make_plugin_manager",

@@ -1,5 +1,5 @@
 import sys
 
-from paraxis.cli import main
+from paraxis.cli.main import main
 
 sys.exit(main())

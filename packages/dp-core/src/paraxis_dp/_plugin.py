@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from paraxis.hookspecs import hookimpl
-from paraxis.strategy import Strategy
+from paraxis.parallel.hookspecs import hookimpl
+from paraxis.parallel.strategy import Strategy
 
 
 @hookimpl

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from paraxis.strategy import ApplyContext, Phase, Strategy
+from paraxis.parallel.strategy import ApplyContext, Phase, Strategy
 from paraxis_dp.sync import DataParallel
 
 __all__ = ["DataParallelStrategy"]

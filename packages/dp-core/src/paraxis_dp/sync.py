@@ -4,7 +4,7 @@ The scheme of PyTorch DDP (Li et al., "PyTorch Distributed", VLDB 2020, arXiv:20
 written against paraxis placements rather than wrapping ``DistributedDataParallel``:
 
 * parameters are packed into flat buckets of about ``bucket_mb`` MiB (core's layout,
-  :mod:`paraxis.buckets`, shared with ZeRO), filled in reverse
+  :mod:`paraxis.parallel.buckets`, shared with ZeRO), filled in reverse
   registration order, which approximates the order backward produces gradients;
 * a parameter's gradient lives in its bucket (``param.grad`` is a view of the flat
   buffer), so a full bucket is reduced with no copy;
@@ -31,14 +31,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paraxis.buckets import FlatBucket, MiB, adopt_grad, assign_buckets, token_replicas
-from paraxis.collectives import all_reduce_
-from paraxis.grid import Grid
-from paraxis.strategy import SyncOrder
+from paraxis.parallel.buckets import FlatBucket, MiB, adopt_grad, assign_buckets
+from paraxis.parallel.strategy import SyncOrder
+from paraxis.runtime.collectives import all_reduce_
+from paraxis.runtime.grid import Grid
 
 __all__ = ["DataParallel"]
 
-_Bucket = FlatBucket  # the layout lives in core (paraxis.buckets), shared with ZeRO
+_Bucket = FlatBucket  # the layout lives in core (paraxis.parallel.buckets), shared with ZeRO
 
 
 class DataParallel:
@@ -58,7 +58,7 @@ class DataParallel:
         self.module = module
         self.grid = grid
         self.bucket_bytes = int(bucket_mb * MiB)
-        self.divisor = token_replicas(grid)
+        self.divisor = grid.token_replicas
         self._sync = True
         self._next = 0  # index of the next bucket to launch
         self.buckets = self._build_buckets()
@@ -74,7 +74,7 @@ class DataParallel:
     # ---- construction ------------------------------------------------------------
 
     def _build_buckets(self) -> list[_Bucket]:
-        """Core's bucket layout (:mod:`paraxis.buckets`), shared with ZeRO."""
+        """Core's bucket layout (:mod:`paraxis.parallel.buckets`), shared with ZeRO."""
         params = [p for p in self.module.parameters() if p.requires_grad]
         return [FlatBucket.allocate(group, ps, self.divisor)
                 for group, ps in assign_buckets(params, self.grid, self.bucket_bytes,

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from paraxis.errors import Problem
-from paraxis.hookspecs import hookimpl
-from paraxis.strategy import Strategy
+from paraxis.config.errors import Problem
+from paraxis.parallel.hookspecs import hookimpl
+from paraxis.parallel.strategy import Strategy
 
 
 @hookimpl
@@ -24,3 +24,12 @@ def paraxis_validate_config(config: Any, model: Any, problems: list[Problem]) ->
     from paraxis_moe.config import moe_problems
 
     problems.extend(moe_problems(config, model, problems))
+
+
+@hookimpl
+def paraxis_summarize_run(ctx: Any, history: list[dict[str, float]]) -> Any:
+    """The most and least loaded expert over the run (load over the mean load), from the
+    per-expert ``assigned`` metrics."""
+    from paraxis_moe.stats import expert_load_report
+
+    return expert_load_report(history)

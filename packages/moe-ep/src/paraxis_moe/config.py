@@ -17,8 +17,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from paraxis.config import MoEConfig
-from paraxis.errors import Problem
+from paraxis.config.errors import Problem
+from paraxis.config.parallel import MoEConfig
 
 __all__ = ["TOP_K_KEYS", "MoEConfig", "aux_coef", "experts_per_token", "moe_config",
            "moe_problems"]
@@ -69,7 +69,7 @@ def _has(problems: list[Problem], field: str) -> bool:
 def moe_problems(config: Any, model: Any, problems: list[Problem]) -> list[Problem]:
     """The expert axis' rules, as new problems (``problems`` is what was found so far:
     a rule already reported for the same field is not reported twice). ``model`` is a
-    :class:`paraxis.validation.ModelShape` or None."""
+    :class:`paraxis.config.shape.ModelShape` or None."""
     try:
         moe = moe_config(config)
     except ValidationError as exc:

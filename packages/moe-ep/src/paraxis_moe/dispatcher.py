@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from paraxis.collectives import all_to_all_uneven
-from paraxis.grid import AxisGroup
+from paraxis.runtime.differentiable import all_to_all_uneven
+from paraxis.runtime.grid import AxisGroup
 from paraxis_moe.stats import BackwardTimer
 
 __all__ = ["AllToAllDispatcher", "Dispatched"]

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from paraxis.config import AXES
-from paraxis.grid import AxisGroup
-from paraxis.placement import Placement, has_placement, placement_of, set_placement
+from paraxis.config.parallel import AXES
+from paraxis.parallel.placement import Placement, has_placement, placement_of, set_placement
+from paraxis.runtime.grid import AxisGroup
 from paraxis_moe.capacity import grouped_keep_mask
 from paraxis_moe.config import MoEConfig
 from paraxis_moe.dispatcher import AllToAllDispatcher, Dispatched

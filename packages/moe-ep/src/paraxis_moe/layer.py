@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from paraxis.batch import AuxLosses
-from paraxis.grid import AxisGroup
+from paraxis.parallel.batch import AuxLosses
+from paraxis.runtime.grid import AxisGroup
 from paraxis_moe.config import MoEConfig, aux_coef, experts_per_token
 from paraxis_moe.experts import (
     ExpertParallelExperts,
@@ -110,7 +110,7 @@ def _num_experts(parts: list[tuple[str, nn.Module | None, Any]], config: Any,
     if sizes:
         return sizes.pop()
     # A pipeline stage without MoE blocks still carries the router counts along.
-    from paraxis.validation import ModelShape
+    from paraxis.config.shape import ModelShape
 
     count = ModelShape.from_hf_config(config).num_experts if config is not None else 0
     if not count:
@@ -203,7 +203,7 @@ class ExpertParallel:
 
     def attach(self, aux: AuxLosses) -> None:
         """Hand each forward's router-loss carry to ``aux`` (core's
-        :class:`paraxis.batch.AuxLosses`, whose carry slot this declares); record
+        :class:`paraxis.parallel.batch.AuxLosses`, whose carry slot this declares); record
         routing only between the start and end of a forward of a root module."""
         slot = aux.declare_carry(self.num_experts + 1, self.losses.finalize)
 

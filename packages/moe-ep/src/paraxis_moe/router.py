@@ -15,7 +15,7 @@ logits (where transformers' own ``OutputRecorder(<Router>, index=0)`` reads them
 Over ranks holding distinct tokens (data x expert x context) and over pipeline stages
 (each holds some layers), the global loss needs global ``f`` (no gradient: counts) and
 the global row count, while ``P`` is a sum of per-rank, per-stage parts. Each forward
-hands core's auxiliary-loss channel a *carry* (:class:`paraxis.batch.AuxLosses`): its
+hands core's auxiliary-loss channel a *carry* (:class:`paraxis.parallel.batch.AuxLosses`): its
 ``E`` assignment counts and row count (float64), summed along the pipeline and then
 all-reduced over the ranks holding distinct tokens (:meth:`RouterLosses.finalize`), and
 a resolver that turns those global numbers into this rank's part
@@ -34,13 +34,14 @@ from typing import Any
 
 import torch
 
-from paraxis.collectives import all_reduce_
+from paraxis.parallel.metric_names import moe_total
+from paraxis.runtime.collectives import all_reduce_
 from paraxis_moe.stats import LayerStats
 
 __all__ = ["AUX_LOSS", "Z_LOSS", "RouterLosses", "watch_router"]
 
-AUX_LOSS = "moe/aux_loss"
-Z_LOSS = "moe/z_loss"
+AUX_LOSS = moe_total("aux_loss")
+Z_LOSS = moe_total("z_loss")
 
 Resolver = Callable[[torch.Tensor], dict[str, torch.Tensor]]
 

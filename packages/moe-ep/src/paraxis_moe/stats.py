@@ -27,7 +27,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["BackwardTimer", "LayerStats", "MoEStats", "probe"]
+from paraxis.parallel.metric_names import moe_array, moe_block, moe_total, parse_moe_array
+from paraxis.parallel.summary import RunReport
+
+__all__ = ["BackwardTimer", "LayerStats", "MoEStats", "expert_load_report", "probe"]
 
 HIST_BINS = 10
 # Reduced by sum over the ranks holding distinct tokens; the rest by max.
@@ -182,16 +185,18 @@ def summarize(reduced: dict[str, dict[str, torch.Tensor]]) -> dict[str, float]:
         tokens = float(v["tokens"])
         for e in range(assigned.numel()):
             for k in ("assigned", "accepted", "dropped", "processed"):
-                out[f"moe/{name}/{k}/{e}"] = float(v[k][e])
-            out[f"moe/{name}/dispatch_bytes/{e}"] = float(v["bytes_per_expert"][e])
-            out[f"moe/{name}/compute_s/{e}"] = float(v["compute_s_per_expert"][e])
-            out[f"moe/{name}/prob_mean/{e}"] = float(v["prob_sum"][e]) / tokens if tokens else 0.0
+                out[moe_array(name, k, e)] = float(v[k][e])
+            out[moe_array(name, "dispatch_bytes", e)] = float(v["bytes_per_expert"][e])
+            out[moe_array(name, "compute_s", e)] = float(v["compute_s_per_expert"][e])
+            out[moe_array(name, "prob_mean", e)] = (float(v["prob_sum"][e]) / tokens
+                                                    if tokens else 0.0)
         for b in range(v["hist"].numel()):
-            out[f"moe/{name}/prob_hist/{b}"] = float(v["hist"][b])
-        out[f"moe/{name}/load_imbalance"] = layer_imbalance
-        out[f"moe/{name}/router_entropy"] = float(v["entropy_sum"]) / tokens if tokens else 0.0
+            out[moe_array(name, "prob_hist", b)] = float(v["hist"][b])
+        out[moe_block(name, "load_imbalance")] = layer_imbalance
+        out[moe_block(name, "router_entropy")] = (float(v["entropy_sum"]) / tokens
+                                                  if tokens else 0.0)
         for k in _MAXED:
-            out[f"moe/{name}/{k}"] = float(v[k])
+            out[moe_block(name, k)] = float(v[k])
         totals["assigned"] += float(assigned.sum())
         totals["dropped"] += float(v["dropped"].sum())
         totals["entropy"] += float(v["entropy_sum"])
@@ -201,14 +206,38 @@ def summarize(reduced: dict[str, dict[str, torch.Tensor]]) -> dict[str, float]:
         totals["compute_s"] += float(v["expert_compute_s"])
     assigned = totals["assigned"]
     out.update({
-        "moe/tokens_assigned": assigned,
-        "moe/tokens_dropped": totals["dropped"],
-        "moe/dropped_fraction": totals["dropped"] / assigned if assigned else 0.0,
-        "moe/load_imbalance": imbalance,
-        "moe/router_entropy": totals["entropy"] / totals["tokens"] if totals["tokens"] else 0.0,
+        moe_total("tokens_assigned"): assigned,
+        moe_total("tokens_dropped"): totals["dropped"],
+        moe_total("dropped_fraction"): totals["dropped"] / assigned if assigned else 0.0,
+        moe_total("load_imbalance"): imbalance,
+        moe_total("router_entropy"): (totals["entropy"] / totals["tokens"]
+                                      if totals["tokens"] else 0.0),
         # Per rank, the busiest rank of each layer, summed over layers.
-        "moe/dispatch_bytes": totals["bytes"],
-        "moe/dispatch_s": totals["dispatch_s"],
-        "moe/expert_compute_s": totals["compute_s"],
+        moe_total("dispatch_bytes"): totals["bytes"],
+        moe_total("dispatch_s"): totals["dispatch_s"],
+        moe_total("expert_compute_s"): totals["compute_s"],
     })
     return out
+
+
+def expert_load_report(history: list[dict[str, float]]) -> RunReport | None:
+    """The most and least loaded expert over a run, from the per-layer, per-expert
+    ``moe/<block>/assigned/<expert>`` metrics: summary values (load over the mean load)
+    and the table's rows naming them; None for a run without them."""
+    totals: dict[tuple[str, int], float] = {}
+    for m in history:
+        for key, value in m.items():
+            hit = parse_moe_array(key)
+            if hit is not None and hit.kind == "assigned":
+                where = (hit.block, hit.index)
+                totals[where] = totals.get(where, 0.0) + value
+    mean = sum(totals.values()) / len(totals) if totals else 0.0
+    if not mean:
+        return None
+    report = RunReport()
+    for label, pick in (("most", max), ("least", min)):
+        (block, expert), n = pick(totals.items(), key=lambda kv: kv[1])
+        report.values[moe_total(f"{label}_loaded_vs_mean")] = n / mean
+        report.rows.append((f"{label} loaded expert",
+                            f"{block} #{expert}: {n:,.0f} routed ({n / mean:.2f}x mean)"))
+    return report

@@ -26,11 +26,11 @@ from typing import Any
 
 from torch import nn
 
-from paraxis.errors import Problem
-from paraxis.grid import DENSE_REPLICA_AXES
-from paraxis.plan import ModelPlan
-from paraxis.stages import chunks_of
-from paraxis.strategy import ApplyContext, Phase, Strategy
+from paraxis.config.errors import Problem
+from paraxis.parallel.model_plan import ModelPlan
+from paraxis.parallel.stages import chunks_of
+from paraxis.parallel.strategy import ApplyContext, Phase, Strategy
+from paraxis.runtime.grid import DENSE_REPLICA_AXES
 from paraxis_moe.config import moe_config
 from paraxis_moe.experts import UnsupportedMoELayout
 from paraxis_moe.layer import ExpertParallel, find_blocks

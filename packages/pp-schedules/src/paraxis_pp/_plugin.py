@@ -7,8 +7,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from paraxis.hookspecs import hookimpl
-from paraxis.strategy import Strategy
+from paraxis.config.parallel import PIPELINE_SCHEDULES
+from paraxis.parallel.hookspecs import hookimpl
+from paraxis.parallel.strategy import ApplyContext, Strategy
 
 
 @hookimpl
@@ -23,6 +24,34 @@ def paraxis_register_strategies(register: Callable[[type[Strategy]], None]) -> N
     from paraxis_pp.strategy import PipelineStrategy
 
     register(PipelineStrategy)
+
+
+@hookimpl
+def paraxis_pipeline_bubble(schedule: str, stages: int, microbatches: int,
+                            virtual_stages: int) -> float | None:
+    """The bubble of a dry run with unit F, B and W costs (the planner asks)."""
+    from paraxis_pp.schedules import build
+    from paraxis_pp.simulate import simulate
+
+    try:
+        return simulate(build(schedule, stages, microbatches, virtual_stages),
+                        f=1.0, b=1.0, w=1.0).bubble
+    except ValueError:  # a schedule these degrees cannot build: the closed form
+        return None
+
+
+@hookimpl
+def paraxis_summarize_run(ctx: ApplyContext, history: list[dict[str, float]]) -> Any:
+    """The last step's measured timeline (SVG) and its bubble against theory.
+    Collective over the pipeline group."""
+    from paraxis.parallel.summary import RunReport
+    from paraxis_pp.executor import PipelineRunner
+
+    runner = ctx.forward_backward
+    if not isinstance(runner, PipelineRunner):
+        return None
+    svg, line = runner.measured_svg()
+    return RunReport(figures=[("pipeline_timeline", svg)], text=[line])
 
 
 def _timeline(args: argparse.Namespace) -> int:
@@ -43,7 +72,7 @@ def _timeline(args: argparse.Namespace) -> int:
 @hookimpl
 def paraxis_cli_commands(subparsers: Any) -> None:
     cmd = subparsers.add_parser("pp-timeline", help=_timeline.__doc__)
-    cmd.add_argument("--schedule", default="1f1b")
+    cmd.add_argument("--schedule", default="1f1b", choices=PIPELINE_SCHEDULES)
     cmd.add_argument("--stages", type=int, default=4)
     cmd.add_argument("--microbatches", type=int, default=8)
     cmd.add_argument("--chunks", type=int, default=1)

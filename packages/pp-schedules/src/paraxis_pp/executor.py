@@ -8,7 +8,7 @@ Activations of a microbatch are dropped as soon as its backward (or, for a split
 backward, its weight gradient) has run. Each action's compute time is recorded for the
 measured timeline.
 
-Auxiliary-loss carries (:class:`paraxis.batch.AuxLosses`): when a strategy declared one,
+Auxiliary-loss carries (:class:`paraxis.parallel.batch.AuxLosses`): when a strategy declared one,
 each forward sends, beside the hidden states, the sum of the stages' contributions so
 far (float64); the last stage finalizes it and sends the result back beside the
 gradient, so each stage resolves its exact auxiliary parts before its backward.
@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paraxis.batch import Batch
-from paraxis.grid import AxisGroup
-from paraxis.launch import device_for_rank
-from paraxis.liveness import guard
-from paraxis.strategy import ApplyContext
+from paraxis.parallel.batch import Batch
+from paraxis.parallel.strategy import ApplyContext
+from paraxis.runtime.grid import AxisGroup
+from paraxis.runtime.liveness import guard
+from paraxis.runtime.world import device_for_rank
 from paraxis_pp.schedules import Action, Schedule
 from paraxis_pp.simulate import Timeline
 
@@ -73,7 +73,7 @@ class _Step:
 class PipelineRunner:
     """``ctx.forward_backward`` for a pipeline: runs one step's schedule on this rank.
 
-    Each chunk is a stage of the model (:mod:`paraxis.stages`) called with this
+    Each chunk is a stage of the model (:mod:`paraxis.parallel.stages`) called with this
     microbatch's ids (first stage) or the received hidden states, plus its position ids
     and the plan's forward kwargs. Auxiliary losses a stage's modules add during a
     forward are back-propagated with that stage's backward of the same microbatch."""

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from paraxis.config import ParallelConfig
-from paraxis.errors import Problem
-from paraxis.validation import ModelShape
+from paraxis.config.errors import Problem
+from paraxis.config.parallel import ParallelConfig
+from paraxis.config.shape import ModelShape
 
 __all__ = ["check_pipeline"]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from paraxis.parallel.bubble import closed_form_bubble
 from paraxis_pp.check import check, dependencies
 from paraxis_pp.schedules import Action, Schedule
 
@@ -71,11 +72,6 @@ def simulate(s: Schedule, *, f: float = 1.0, b: float = 1.0, w: float = 1.0,
 
 
 def theoretical_bubble(s: Schedule) -> float:
-    """Idle share predicted by Narayanan et al. (arXiv:2104.04473) for equal stages:
-    (p-1)/(m+p-1) for GPipe and 1F1B; for interleaved the bubble-to-ideal ratio
-    (p-1)/(v·m), i.e. x/(1+x) of the total. ZB-H1 has no closed form here."""
-    p, m, v = s.ranks, s.microbatches, s.chunks
-    if s.name == "interleaved_1f1b":
-        x = (p - 1) / (v * m)
-        return x / (1 + x)
-    return (p - 1) / (m + p - 1)
+    """The closed-form bubble of ``s`` (core's :mod:`paraxis.parallel.bubble`, which the
+    planner uses too)."""
+    return closed_form_bubble(s.name, s.ranks, s.microbatches, s.chunks).fraction

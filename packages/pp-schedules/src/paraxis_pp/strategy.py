@@ -2,7 +2,7 @@
 
 It cuts the layer list into ``pipeline x virtual_stages`` consecutive stages, checks on
 this rank alone that the model's own forward, run stage by stage, reproduces the whole
-model (:func:`paraxis.stages.check_stages`; a family it cannot split is refused here,
+model (:func:`paraxis.parallel.stages.check_stages`; a family it cannot split is refused here,
 with the reason), builds this rank's stages from the model itself, records each
 parameter's owning stage, keeps a word embedding tied to the head one parameter (the
 first and last stage sum its gradient, as Megatron's embedding group does), and
@@ -15,11 +15,17 @@ import dataclasses
 
 from torch import nn
 
-from paraxis.numerics import REDUCTION_RTOL
-from paraxis.placement import placement_of, set_placement
-from paraxis.plan import ModelPlan, PlanError
-from paraxis.stages import PipelineChunks, StageSpec, build_stage, check_stages, tied_parameters
-from paraxis.strategy import ApplyContext, Phase, PipelineLayout, Strategy
+from paraxis.parallel.model_plan import ModelPlan, PlanError
+from paraxis.parallel.numerics import REDUCTION_RTOL
+from paraxis.parallel.placement import placement_of, set_placement
+from paraxis.parallel.stages import (
+    PipelineChunks,
+    StageSpec,
+    build_stage,
+    check_stages,
+    tied_parameters,
+)
+from paraxis.parallel.strategy import ApplyContext, Phase, PipelineLayout, Strategy
 from paraxis_pp.check import check
 from paraxis_pp.executor import PipelineRunner
 from paraxis_pp.schedules import build

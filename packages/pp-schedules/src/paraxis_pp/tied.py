@@ -16,10 +16,10 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from paraxis.collectives import all_reduce_
-from paraxis.grid import AxisGroup
-from paraxis.placement import placement_of
-from paraxis.strategy import SyncOrder
+from paraxis.parallel.placement import placement_of
+from paraxis.parallel.strategy import SyncOrder
+from paraxis.runtime.collectives import all_reduce_
+from paraxis.runtime.grid import AxisGroup
 
 __all__ = ["TiedGradSync"]
 

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from paraxis.config import ParallelConfig
-from paraxis.errors import Problem
-from paraxis.validation import ModelShape, divisors
+from paraxis.config.errors import Problem
+from paraxis.config.parallel import ParallelConfig
+from paraxis.config.rules import divisors
+from paraxis.config.shape import ModelShape
 
 __all__ = ["EQUIVALENT_IMPLEMENTATIONS", "LAYOUT_OF_MODE", "check_context", "check_module"]
 

@@ -1,7 +1,7 @@
 """The ``context`` strategy (phase PARTITION): the sequence of every step is split over
 the context ranks, and every attention of the model attends over the whole of it.
 
-Core's contracts (docs/architecture.md section 4): :class:`paraxis.batch.Batch` holds
+Core's contracts (docs/architecture.md section 4): :class:`paraxis.parallel.batch.Batch` holds
 ``input_ids``, ``targets`` already shifted once and ``position_ids``;
 ``ctx.batch_transforms`` run per step before microbatching; the engine counts tokens
 after them and passes ``position_ids`` to the model (and the pipeline runner to every
@@ -38,11 +38,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from paraxis.batch import Batch
-from paraxis.config import ParallelConfig
-from paraxis.errors import Problem
-from paraxis.stages import chunks_of
-from paraxis.strategy import ApplyContext, Phase, Strategy
+from paraxis.config.errors import Problem
+from paraxis.config.parallel import ParallelConfig
+from paraxis.parallel.batch import Batch
+from paraxis.parallel.stages import chunks_of
+from paraxis.parallel.strategy import ApplyContext, Phase, Strategy
 from paraxis_seq.hf_attention import use_context_attention
 from paraxis_seq.rules import LAYOUT_OF_MODE
 from paraxis_seq.zigzag import check_layout, shard

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from paraxis.collectives import all_to_all
+from paraxis.runtime.differentiable import all_to_all
 from paraxis_seq.ring import DROPOUT_REFUSED
 from paraxis_seq.zigzag import check_layout, shard_order
 

@@ -23,7 +23,7 @@ parameter (:data:`paraxis_tp.regions.PARAM_STYLES`); its module keeps its forwar
 
 Any ``nn.Linear`` / ``nn.Embedding``, subclasses included, is sharded in place: its own
 forward still runs (see :mod:`paraxis_tp.layers`). Modules a pipeline stage does not own
-(:class:`paraxis.stages.Absent`) are left alone.
+(:class:`paraxis.parallel.stages.Absent`) are left alone.
 
 Region entries. Without sequence parallelism each column-parallel module enters the
 region itself (Megatron's f), but sibling projections fed the *same* tensor (q, k and v;
@@ -51,11 +51,11 @@ from typing import Any
 
 from torch import nn
 
-from paraxis.collectives import copy_to
-from paraxis.grid import AxisGroup
-from paraxis.placement import placement_of, set_placement
-from paraxis.plan import ModelPlan, PlanError
-from paraxis.stages import Absent, SkipLayer
+from paraxis.parallel.model_plan import ModelPlan, PlanError
+from paraxis.parallel.placement import placement_of, set_placement
+from paraxis.parallel.stages import Absent, SkipLayer
+from paraxis.runtime.differentiable import copy_to
+from paraxis.runtime.grid import AxisGroup
 from paraxis_tp.cross_entropy import VocabParallelLoss
 from paraxis_tp.layers import (
     gather_tokens,

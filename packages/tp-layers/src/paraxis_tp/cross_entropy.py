@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paraxis.collectives import all_reduce_
-from paraxis.grid import AxisGroup
+from paraxis.runtime.collectives import all_reduce_
+from paraxis.runtime.grid import AxisGroup
 
 __all__ = ["VocabParallelLoss", "vocab_parallel_cross_entropy"]
 
@@ -65,7 +65,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, 
 
 class VocabParallelLoss:
     """The engine's loss for vocab-sharded logits: (summed loss, token count) against
-    already-shifted targets, equal to :func:`paraxis.engine.causal_lm_loss_sum` on the
+    already-shifted targets, equal to :func:`paraxis.engine.loss.causal_lm_loss_sum` on the
     gathered logits."""
 
     def __init__(self, *, start: int, vocab: int, group: AxisGroup, ignore_index: int = -100):

@@ -32,9 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from paraxis.collectives import all_gather, reduce_from, reduce_scatter, split
-from paraxis.grid import AxisGroup
-from paraxis.placement import placement_of, set_placement
+from paraxis.parallel.placement import placement_of, set_placement
+from paraxis.runtime.differentiable import all_gather, reduce_from, reduce_scatter, split
+from paraxis.runtime.grid import AxisGroup
 
 __all__ = ["SEQ_DIM", "gather_tokens", "map_first_input", "scatter_tokens", "shard_column",
            "shard_embedding", "shard_row", "shard_rows", "sharded_parameter", "split_tokens"]

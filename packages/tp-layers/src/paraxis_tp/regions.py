@@ -40,9 +40,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from paraxis.collectives import all_gather, copy_to, reduce_from, reduce_scatter
-from paraxis.grid import AxisGroup
-from paraxis.plan import PlanError
+from paraxis.parallel.model_plan import PlanError
+from paraxis.runtime.differentiable import all_gather, copy_to, reduce_from, reduce_scatter
+from paraxis.runtime.grid import AxisGroup
 from paraxis_tp.layers import map_first_input, sharded_parameter
 
 __all__ = ["PARAM_STYLES", "REGION_STYLES", "enter_region", "mla_rotary_entry",

@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
-from paraxis.config import ParallelConfig
-from paraxis.errors import Problem
-from paraxis.validation import ModelShape, divides, divisors
+from paraxis.config.errors import Problem
+from paraxis.config.parallel import ParallelConfig
+from paraxis.config.rules import divides, divisors
+from paraxis.config.shape import ModelShape
 
 __all__ = ["check_tensor"]
 

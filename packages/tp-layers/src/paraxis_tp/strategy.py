@@ -16,14 +16,14 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from paraxis.collectives import all_gather_into, all_reduce_
-from paraxis.grid import AxisGroup
-from paraxis.launch import device_for_rank
-from paraxis.numerics import REDUCTION_RTOL
-from paraxis.placement import placement_of
-from paraxis.plan import ModelPlan
-from paraxis.stages import chunks_of
-from paraxis.strategy import ApplyContext, Phase, Strategy, SyncOrder
+from paraxis.parallel.model_plan import ModelPlan
+from paraxis.parallel.numerics import REDUCTION_RTOL
+from paraxis.parallel.placement import placement_of
+from paraxis.parallel.stages import chunks_of
+from paraxis.parallel.strategy import ApplyContext, Phase, Strategy, SyncOrder
+from paraxis.runtime.collectives import all_gather_into, all_reduce_
+from paraxis.runtime.grid import AxisGroup
+from paraxis.runtime.world import device_for_rank
 from paraxis_tp.apply import TensorParallelApplied, apply_tensor_plan, mark_partial, shard_sequence
 from paraxis_tp.rng import TensorParallelRNG
 

@@ -3,7 +3,7 @@
 Each parameter is split along dim 0 into ``n`` chunks of ``ceil(rows / n)`` rows, the
 last ones padded with zero rows (FSDP2's per-parameter sharding, Zhao et al.,
 arXiv:2304.11277), so every shard is a region ``[offset, length]`` of dim 0 that a
-:class:`paraxis.placement.Placement` describes, nested inside a tensor-parallel piece
+:class:`paraxis.parallel.placement.Placement` describes, nested inside a tensor-parallel piece
 when there is one. ``rows`` are the rows of the *local* tensor (a tensor shard's padding
 rows included).
 
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from paraxis.grid import AxisGroup
-from paraxis.placement import Placement
+from paraxis.parallel.placement import Placement
+from paraxis.runtime.grid import AxisGroup
 
 __all__ = ["ShardLayout"]
 
@@ -40,7 +40,7 @@ class ShardLayout:
     offsets: list[int]
     per_rank: int
     # What the reduce-scattered sum is divided by: the ranks holding distinct tokens
-    # (paraxis.buckets.token_replicas), which for an expert parameter exceeds its group.
+    # (Grid.token_replicas), which for an expert parameter exceeds its group.
     divisor: int = 0
 
     @classmethod

@@ -6,7 +6,7 @@ this rank's fp32 shards (stages 1 and 2: views of the model's own parameters; st
 the model's parameters, which hold their shard between uses) and the parameters kept
 whole; each carries a placement record, so checkpoints store the state where it lives
 and the global gradient norm counts every element once
-(:func:`paraxis.optim.clip_grad_norm`).
+(:func:`paraxis.parallel.norms.clip_grad_norm`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from paraxis.grid import Grid
-from paraxis.optim import clip_grad_norm
+from paraxis.parallel.norms import clip_grad_norm
+from paraxis.runtime.grid import Grid
 
 __all__ = ["ShardOwner", "ZeroAdamW"]
 

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from paraxis.config import ParallelConfig
-from paraxis.errors import Problem
-from paraxis.validation import ModelShape
+from paraxis.config.errors import Problem
+from paraxis.config.parallel import ParallelConfig
+from paraxis.config.shape import ModelShape
 
 __all__ = ["check_zero"]
 
@@ -15,7 +15,7 @@ def check_zero(config: ParallelConfig, model: ModelShape | None) -> list[Problem
     if par.zero == 0:
         return []
     problems: list[Problem] = []
-    if par.data * par.expert * par.context == 1:
+    if config.token_replicas == 1:
         problems.append(Problem(
             "parallelism.zero", par.zero,
             "shards over data-parallel replicas, and data = expert = context = 1 leaves "

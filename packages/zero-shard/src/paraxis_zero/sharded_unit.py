@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from paraxis.collectives import Pending, all_gather_into, reduce_scatter_into
-from paraxis.placement import placement_of, set_placement
+from paraxis.parallel.placement import placement_of, set_placement
+from paraxis.runtime.collectives import Pending, all_gather_into, reduce_scatter_into
 from paraxis_zero.layout import ShardLayout
 
 __all__ = ["ShardedUnit"]
@@ -154,7 +154,7 @@ class ShardedUnit:
             for i, p in enumerate(f.layout.params):
                 f.layout.to_rank_major(f.send, i, p.grad)
                 p.grad = None
-            f.send.div_(f.layout.divisor)  # pre-divided (paraxis.buckets.token_replicas)
+            f.send.div_(f.layout.divisor)  # pre-divided (Grid.token_replicas)
         self.prepared = True
 
     def launch_reduce(self) -> None:

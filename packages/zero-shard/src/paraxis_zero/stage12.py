@@ -6,7 +6,7 @@ model parameter is its first ``rows`` rows and this rank's *shard* is a view of 
 ``rank``: an fp32 Parameter with its own placement that the optimizer steps in place,
 so the master weights are the model's own (no copy, 4 bytes per parameter in fp32).
 
-Gradients travel in core's buckets (:func:`paraxis.buckets.assign_buckets`), in a
+Gradients travel in core's buckets (:func:`paraxis.parallel.buckets.assign_buckets`), in a
 fixed bucket order, launched from post-accumulate-grad hooks as backward produces them:
 each full bucket is copied rank-major (:class:`~paraxis_zero.layout.ShardLayout`),
 divided by ``n`` and reduce-scattered asynchronously, so every rank receives the
@@ -34,11 +34,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from paraxis.buckets import assign_buckets, token_replicas
-from paraxis.collectives import Pending, all_gather_into, reduce_scatter_into
-from paraxis.grid import Grid
-from paraxis.placement import placement_of, set_placement
-from paraxis.strategy import SyncOrder
+from paraxis.parallel.buckets import assign_buckets
+from paraxis.parallel.placement import placement_of, set_placement
+from paraxis.parallel.strategy import SyncOrder
+from paraxis.runtime.collectives import Pending, all_gather_into, reduce_scatter_into
+from paraxis.runtime.grid import Grid
 from paraxis_zero.layout import ShardLayout
 from paraxis_zero.whole import WHOLE_BELOW, WholeReducer, keep_whole
 
@@ -79,7 +79,7 @@ class ShardedOptimizerSync:
         sharded = [p for p in params if not keep_whole(p, grid, whole_below)]
         self.whole = WholeReducer(whole, grid, bucket_bytes)
         self.whole_params = whole
-        self.buckets = [self._bucket(ShardLayout.build(g, ps, token_replicas(grid)))
+        self.buckets = [self._bucket(ShardLayout.build(g, ps, grid.token_replicas))
                         for g, ps in assign_buckets(sharded, grid, bucket_bytes)]
         self._where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.layout.params)}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._where]
@@ -158,7 +158,7 @@ class ShardedOptimizerSync:
             for i, g in enumerate(bucket.grads):
                 layout.slot(bucket.send, i).copy_(g.view(n, -1))
         assert bucket.send is not None
-        bucket.send.div_(layout.divisor)  # pre-divided (paraxis.buckets.token_replicas)
+        bucket.send.div_(layout.divisor)  # pre-divided (Grid.token_replicas)
         bucket.work = reduce_scatter_into(bucket.recv, bucket.send, layout.group, async_op=True)
         self._next += 1
 

@@ -32,12 +32,11 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
-from paraxis.buckets import token_replicas
-from paraxis.grid import Grid
-from paraxis.placement import placement_of
-from paraxis.plan import ModelPlan
-from paraxis.stages import chunks_of
-from paraxis.strategy import SyncOrder
+from paraxis.parallel.model_plan import ModelPlan
+from paraxis.parallel.placement import placement_of
+from paraxis.parallel.stages import chunks_of
+from paraxis.parallel.strategy import SyncOrder
+from paraxis.runtime.grid import Grid
 from paraxis_zero.layout import ShardLayout
 from paraxis_zero.sharded_unit import ShardedUnit
 from paraxis_zero.units import find_units
@@ -51,7 +50,7 @@ def _layouts(params: list[nn.Parameter], grid: Grid) -> list[ShardLayout]:
     by_key: dict[tuple[Any, ...], list[nn.Parameter]] = {}
     for p in params:
         by_key.setdefault((placement_of(p).grad_sync_axes, p.dtype), []).append(p)
-    return [ShardLayout.build(grid.group(axes), ps, token_replicas(grid))
+    return [ShardLayout.build(grid.group(axes), ps, grid.token_replicas)
             for (axes, _), ps in by_key.items()]
 
 

@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paraxis.buckets import MiB
-from paraxis.grid import DENSE_REPLICA_AXES, Grid
-from paraxis.placement import placement_of
-from paraxis.plan import ModelPlan
-from paraxis.strategy import ApplyContext, Phase, Strategy
+from paraxis.parallel.buckets import MiB
+from paraxis.parallel.model_plan import ModelPlan
+from paraxis.parallel.placement import placement_of
+from paraxis.parallel.strategy import ApplyContext, Phase, Strategy
+from paraxis.runtime.grid import DENSE_REPLICA_AXES, Grid
 from paraxis_zero.optimizer import ZeroAdamW
 from paraxis_zero.stage3 import ShardedParameters
 from paraxis_zero.stage12 import ShardedOptimizerSync

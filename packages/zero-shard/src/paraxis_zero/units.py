@@ -1,7 +1,7 @@
 """ZeRO-3's units: the groups of parameters gathered together.
 
 A unit is the model's layers, one by one (the plan's layer list; on a pipeline stage
-only the layers it runs, :func:`paraxis.recompute.layer_list`), plus the token
+only the layers it runs, :func:`paraxis.parallel.recompute.layer_list`), plus the token
 embedding and the head (the plan's pipeline entries that take ``input_ids`` and give
 ``logits``; transformers' ``get_input_embeddings`` / ``get_output_embeddings`` without
 a pipeline plan), in forward order, as torchtitan applies ``fully_shard``. Whatever
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from paraxis.plan import ModelPlan, PlanError
-from paraxis.recompute import layer_list
-from paraxis.stages import Absent, StageSpec
+from paraxis.parallel.model_plan import ModelPlan, PlanError
+from paraxis.parallel.recompute import layer_list
+from paraxis.parallel.stages import Absent, StageSpec
 
 __all__ = ["UnitSpec", "find_units"]
 

@@ -2,7 +2,7 @@
 
 Some parameters stay whole on every rank: their gradients are all-reduced (averaged) in
 flat buckets launched from backward hooks, as plain data parallelism does (core's
-bucket layout, :mod:`paraxis.buckets`), and every rank steps them whole:
+bucket layout, :mod:`paraxis.parallel.buckets`), and every rank steps them whole:
 
 * vectors (norm weights, biases) below :data:`WHOLE_BELOW` elements: a shard would
   save bytes not worth a collective (the threshold FSDP2 does not have; DeepSpeed's
@@ -11,7 +11,7 @@ bucket layout, :mod:`paraxis.buckets`), and every rank steps them whole:
   ones (norms under sequence parallelism, summed over ``tensor`` after data averaging)
   and ``tied`` ones (a word embedding shared by the first and last pipeline stage,
   summed over the embedding group). Those syncs run after ZeRO's
-  (:class:`paraxis.strategy.SyncOrder`) and need the whole gradient on every rank;
+  (:class:`paraxis.parallel.strategy.SyncOrder`) and need the whole gradient on every rank;
 * parameters whose gradient-sync group has one member (nothing to shard over).
 """
 
@@ -22,10 +22,10 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from paraxis.buckets import FlatBucket, adopt_grad, assign_buckets, token_replicas
-from paraxis.collectives import all_reduce_
-from paraxis.grid import Grid
-from paraxis.placement import placement_of
+from paraxis.parallel.buckets import FlatBucket, adopt_grad, assign_buckets
+from paraxis.parallel.placement import placement_of
+from paraxis.runtime.collectives import all_reduce_
+from paraxis.runtime.grid import Grid
 
 __all__ = ["WHOLE_BELOW", "WholeReducer", "keep_whole"]
 
@@ -49,7 +49,7 @@ class WholeReducer:
 
     def __init__(self, params: Iterable[nn.Parameter], grid: Grid, bucket_bytes: int):
         self.params = [p for p in params if p.requires_grad]
-        divisor = token_replicas(grid)
+        divisor = grid.token_replicas
         self.buckets = [FlatBucket.allocate(g, ps, divisor) for g, ps in
                         assign_buckets(self.params, grid, bucket_bytes,
                                        include_single=divisor > 1)]
@@ -68,7 +68,7 @@ class WholeReducer:
             self._launch(self.buckets[self._next])
 
     def _launch(self, bucket: FlatBucket) -> None:
-        bucket.buffer.div_(bucket.divisor)  # see paraxis.buckets.token_replicas
+        bucket.buffer.div_(bucket.divisor)  # see Grid.token_replicas
         bucket.work = all_reduce_(bucket.buffer, bucket.group, async_op=True)
         self._next += 1
 

@@ -55,7 +55,7 @@ def _verdict(row) -> str:  # type: ignore[no-untyped-def]
 
 
 def _run(types: dict[str, str], args: argparse.Namespace, checks: list) -> list:  # type: ignore[type-arg]
-    from paraxis.testing.pytest_plugin import WorldPool
+    from paraxis.testing.distributed import WorldPool
     from paraxis_hf.coverage.report import rows_from_json, rows_to_json
     from paraxis_hf.coverage.runner import CHECK_TIMEOUT, run_matrix
 

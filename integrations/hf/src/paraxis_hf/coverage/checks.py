@@ -63,7 +63,7 @@ CHECKS = (
 def available_checks() -> list[Check]:
     """The checks whose axis has a registered strategy (expert and context appear when
     paraxis-moe-ep and paraxis-seq-context are installed and register theirs)."""
-    from paraxis.plugins import collect_strategies, make_plugin_manager
+    from paraxis.engine.plugins import collect_strategies, make_plugin_manager
 
     axes = set(collect_strategies(make_plugin_manager()))
     return [c for c in CHECKS if c.axis in axes]
@@ -137,7 +137,7 @@ def _own_losses(model: Any, ids: torch.Tensor, labels: torch.Tensor) -> dict[str
     """The model's ``labels=`` loss; also with the labels shifted beforehand, for the
     few families whose loss does not shift them (``own_shifted``: XLNet, XLM, TrOCR
     compare each position's logits with its own label, the caller shifting)."""
-    from paraxis.batch import shift_labels
+    from paraxis.parallel.batch import shift_labels
 
     model.eval()
     with torch.no_grad():
@@ -187,8 +187,8 @@ def preflight_refusal(model: Any, check: Check, plugin_manager: Any) -> Outcome 
     """``parallelize``'s checks before any process group (config rules, missing plans),
     run here without ranks by the same function: the refusal a world of two would give."""
     from paraxis import ConfigError, ParallelConfig, PlanError
-    from paraxis.api import preflight
-    from paraxis.run_config import TrainSection
+    from paraxis.config.run import TrainSection
+    from paraxis.engine.apply import preflight
     from paraxis_hf.coverage.shrink import SEQ
 
     config = ParallelConfig.from_kwargs(**check.kwargs)

@@ -119,7 +119,7 @@ def _has_experts(model: Any) -> bool:
 def run_checks(prepared: Prepared, checks: Iterable[Check], worlds: Any, *,
                timeout: float = CHECK_TIMEOUT) -> Row:
     """The row of a prepared family: each check against its reference."""
-    from paraxis.plugins import make_plugin_manager
+    from paraxis.engine.plugins import make_plugin_manager
     from paraxis_hf.coverage.families import build_model
 
     start = time.perf_counter()

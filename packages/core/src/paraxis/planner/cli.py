@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from paraxis.config import AXES
+from paraxis.config.parallel import AXES, PIPELINE_SCHEDULES
 from paraxis.planner.evaluate import Plan, evaluate, make_layout, problems
 from paraxis.planner.explain import explain
 from paraxis.planner.inputs import Hardware, Workload
@@ -31,7 +31,6 @@ from paraxis.planner.units import (
 
 __all__ = ["add_plan_parser", "fit_warning", "run_plan"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1")
 HEADROOM = 0.1
 
 
@@ -56,7 +55,7 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--zero", type=int, choices=range(4))
     p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction)
     p.add_argument("--recompute", choices=("none", "selective", "full"))
-    p.add_argument("--schedule", choices=SCHEDULES)
+    p.add_argument("--schedule", choices=PIPELINE_SCHEDULES)
     p.add_argument("--virtual-stages", type=int, help="model chunks per pipeline rank")
     p.add_argument("--context-impl", choices=("ring", "ulysses"), default="ring")
     p.add_argument("--precision", choices=("mixed", "fp32"), default="mixed")
@@ -86,7 +85,8 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     opts: dict[str, Any] = {}
     for key, name in (("zero", "zero"), ("sequence_parallel", "sequence_parallel"),
                       ("recompute", "activation_checkpointing"),
-                      ("schedule", "pipeline_schedule"), ("virtual_stages", "virtual_stages")):
+                      ("schedule", "pipeline_schedule"), ("virtual_stages", "virtual_stages"),
+                   ("context_impl", "context_mode")):
         if getattr(args, key) is not None:
             opts[name] = getattr(args, key)
     if opts.get("virtual_stages", 1) > 1 and "pipeline_schedule" not in opts:
@@ -126,11 +126,11 @@ def _workload(args: argparse.Namespace, counts: ModelCounts, defaults: dict[str,
         if int(value) < 1:
             raise PlanInputError(f"{name} {value} must be at least 1")
     return Workload(seq=int(seq), global_batch=int(batch), micro_batch=args.micro_batch,
-                    precision=args.precision, context_impl=args.context_impl)
+                    precision=args.precision)
 
 
 def _load_counts(model: str, seq: int | None = None) -> tuple[ModelCounts, dict[str, Any]]:
-    from paraxis.plugins import make_plugin_manager
+    from paraxis.engine.plugins import make_plugin_manager
 
     source = load_model_source(model)
     built = build_on_meta(source, make_plugin_manager())
@@ -139,7 +139,7 @@ def _load_counts(model: str, seq: int | None = None) -> tuple[ModelCounts, dict[
 
 def _evaluate(counts: ModelCounts, fixed: dict[str, int], args: argparse.Namespace,
               work: Workload, hw: Hardware, world: int) -> Plan:
-    from paraxis.plugins import make_plugin_manager
+    from paraxis.engine.plugins import make_plugin_manager
 
     try:
         layout = make_layout(fixed, _options(args), work)
@@ -159,7 +159,7 @@ def _one_line(exc: BaseException) -> str:
 
 def _search(counts: ModelCounts, fixed: dict[str, int], args: argparse.Namespace,
             work: Workload, hw: Hardware, world: int) -> tuple[Plan, Ranking]:
-    from paraxis.plugins import make_plugin_manager
+    from paraxis.engine.plugins import make_plugin_manager
 
     ranking = search(counts, work, hw, world=world, fixed=fixed, options=_options(args),
                      plugin_manager=make_plugin_manager())
@@ -235,14 +235,14 @@ def fit_warning(config: Any, *, device_memory: str, model: str | None = None) ->
     if model:
         counts, _ = _load_counts(model, config.train.seq_length)
     else:
+        from paraxis.engine.plugins import make_plugin_manager
         from paraxis.planner.model import ModelSource
-        from paraxis.plugins import make_plugin_manager
 
         source = ModelSource(config.model.family, dict(config.model.config), "model:", {})
         counts = count_model(build_on_meta(source, make_plugin_manager()), source.family,
                              config.train.seq_length)
-    par, m = config.parallelism, config.schedule.microbatches
-    micro = max(1, config.train.global_batch // (par.data * par.expert * m))
+    m = config.schedule.microbatches
+    micro = max(1, config.train.global_batch // (config.sample_shards * m))
     work = Workload(seq=config.train.seq_length, global_batch=config.train.global_batch,
                     micro_batch=micro, precision="mixed" if config.train.bf16 else "fp32")
     hw = Hardware(device_memory=cap, headroom=HEADROOM)

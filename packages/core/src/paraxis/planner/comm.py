@@ -1,6 +1,6 @@
 """Bytes each rank sends per optimizer step, by axis, and the link each axis crosses.
 
-Bus convention (NCCL tests; paraxis.collectives counts the same way): a ring all-reduce
+Bus convention (NCCL tests; paraxis.runtime.collectives counts the same way): a ring all-reduce
 of S bytes moves 2S(n-1)/n per rank, an all-gather or reduce-scatter S(n-1)/n, an
 all-to-all the bytes sent to other ranks, send/recv the message. Elements are 2 bytes
 under mixed precision, 4 under fp32 (``Workload.element_size``).
@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from paraxis.config import AXES, ParallelConfig
+from paraxis.config.parallel import AXES, ParallelConfig
 from paraxis.planner.inputs import Workload
 from paraxis.planner.memory import BYTES_PER_PARAM
 from paraxis.planner.model import ModelCounts
@@ -164,7 +164,7 @@ def _data(layout: ParallelConfig, el: int, dense: float, expert: float, link: st
     """Gradients (and ZeRO-3's weights) over the replicas: dense over data x expert x
     context, expert parameters over data x context."""
     par, m = layout.parallelism, layout.schedule.microbatches
-    n_dense, n_expert = par.data * par.expert * par.context, par.data * par.context
+    n_dense, n_expert = layout.token_replicas, layout.token_replicas // par.expert
     grad = dense * (n_dense - 1) / n_dense + expert * (n_expert - 1) / n_expert
     if par.zero == 3:
         return AxisComm("data", "all-gather x2 per microbatch + reduce-scatter",
@@ -182,7 +182,7 @@ def _context(counts: ModelCounts, layout: ParallelConfig, work: Workload, layers
     t, c = layout.parallelism.tensor, layout.parallelism.context
     b, s, h = work.micro_batch, work.seq, counts.hidden_size
     h_kv = counts.kv_heads * counts.head_dim / t
-    if work.context_impl == "ulysses":
+    if layout.parallelism.context_mode == "ulysses":
         per_layer = 2 * (2 * h / t + 2 * h_kv) * b * s / c * (c - 1) / c
         op, overlap = "all-to-all", "none: attention waits on its heads"
     else:

@@ -12,21 +12,21 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from paraxis.config import AXES, ParallelConfig
-from paraxis.errors import Problem
+from paraxis.config.errors import Problem
+from paraxis.config.parallel import AXES, ParallelConfig
+from paraxis.config.rules import check
 from paraxis.planner.comm import AxisComm, communication
 from paraxis.planner.inputs import DEFAULT_HARDWARE, Hardware, Workload
 from paraxis.planner.memory import Memory, held_params, rank_layers, rank_memory
 from paraxis.planner.model import ModelCounts
 from paraxis.planner.schedule import Bubble, bubble
 from paraxis.planner.step import StepEstimate, estimate_step
-from paraxis.validation import check
 
-__all__ = ["OPTION_KEYS", "Plan", "evaluate", "make_layout", "problems"]
+__all__ = ["OPTION_KEYS", "Plan", "evaluate", "make_layout", "problems", "unchecked_axes"]
 
 # Options beside the degrees, as ParallelConfig.from_kwargs names them.
 OPTION_KEYS = ("zero", "sequence_parallel", "activation_checkpointing", "pipeline_schedule",
-               "virtual_stages")
+               "virtual_stages", "context_mode")
 
 
 def make_layout(degrees: dict[str, int], options: dict[str, Any], work: Workload,
@@ -41,30 +41,37 @@ def make_layout(degrees: dict[str, int], options: dict[str, Any], work: Workload
 
 def problems(counts: ModelCounts, layout: ParallelConfig, work: Workload, *,
              world_size: int | None = None, plugin_manager: Any = None) -> list[Problem]:
-    """Every rule the layout breaks for this model and workload: core's, the planner's
-    own (Ulysses heads), and those of every installed axis package (the same rules a run
-    checks; an axis whose package is not installed has none here)."""
-    par = layout.parallelism
-    if plugin_manager is None:
-        from paraxis.plugins import make_plugin_manager
-
-        plugin_manager = make_plugin_manager()
+    """Every rule the layout breaks for this model and workload: core's and those of
+    every installed axis package (the same rules a run checks, through
+    ``paraxis_validate_config``; the planner restates none of them). An axis whose
+    package is not installed checks nothing here: :func:`unchecked_axes` names it."""
+    plugin_manager = plugin_manager or _plugin_manager()
     found = check(layout, world_size=world_size, model=counts.shape(work.seq))
-    replicas = par.data * par.expert * work.micro_batch
+    replicas = layout.sample_shards * work.micro_batch
     if work.global_batch % replicas:
         found.append(Problem(
             "global_batch", work.global_batch, f"must split evenly over data x expert x "
             f"micro-batch = {replicas}", f"use a multiple of {replicas}"))
-    if par.context > 1 and work.context_impl == "ulysses":
-        for name, heads in (("num_attention_heads", counts.num_heads),
-                            ("num_key_value_heads", counts.kv_heads)):
-            if heads % (par.tensor * par.context):
-                found.append(Problem(
-                    f"model.{name}", heads, "Ulysses splits heads over tensor x context = "
-                    f"{par.tensor * par.context}", "use ring context parallelism"))
     plugin_manager.hook.paraxis_validate_config(config=layout, model=counts.shape(work.seq),
                                                 problems=found)
     return found
+
+
+def unchecked_axes(layout: ParallelConfig, plugin_manager: Any = None) -> tuple[str, ...]:
+    """The axes ``layout`` needs whose package is not installed: their rules (head and
+    width divisibility, supported combinations) were not checked, so the plan may hold
+    a layout a run would refuse."""
+    from paraxis.engine.plugins import collect_strategies
+    from paraxis.engine.resolve import required_axes
+
+    available = collect_strategies(plugin_manager or _plugin_manager())
+    return tuple(a for a in required_axes(layout) if a not in available)
+
+
+def _plugin_manager() -> Any:
+    from paraxis.engine.plugins import make_plugin_manager
+
+    return make_plugin_manager()
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,8 @@ class Plan:
     comm: tuple[AxisComm, ...]
     bubble: Bubble
     step: StepEstimate  # on DEFAULT_HARDWARE's figures when hardware is not timed
+    # Axes whose rules were not checked: their package is not installed.
+    unchecked: tuple[str, ...] = ()
 
     @property
     def worst(self) -> Memory:
@@ -118,6 +127,7 @@ class Plan:
             "element_size": self.work.element_size,
             "bubble": self.bubble.fraction,
             "bubble_source": self.bubble.source,
+            "unchecked_axes": list(self.unchecked),
         }
         if self.hardware.timed:
             out["step_time_s"] = self.step.step_s
@@ -127,10 +137,12 @@ class Plan:
 
 
 def evaluate(counts: ModelCounts, layout: ParallelConfig, work: Workload,
-             hardware: Hardware, *, simulate: bool = True, every_rank: bool = True) -> Plan:
+             hardware: Hardware, *, simulate: bool = True, every_rank: bool = True,
+             plugin_manager: Any = None) -> Plan:
     """Evaluate a layout already checked by :func:`problems`. The search passes
     ``simulate=False`` (closed-form bubble) and ``every_rank=False`` (memory of the first
     and last stages only: the candidates for the most loaded rank)."""
+    plugin_manager = plugin_manager or _plugin_manager()
     par, sched = layout.parallelism, layout.schedule
     p, v = par.pipeline, sched.virtual_stages
     ranks = range(p) if every_rank else sorted({0, p - 1})
@@ -140,10 +152,12 @@ def evaluate(counts: ModelCounts, layout: ParallelConfig, work: Workload,
                          for r in range(p)), key=sum)  # the rank with most gradients
     comm = tuple(communication(counts, layout, work, gpus_per_node=hardware.gpus_per_node,
                                dense_grad_params=dense, expert_grad_params=expert))
-    bub = bubble(sched.pipeline_schedule, p, sched.microbatches, v, simulate=simulate)
+    bub = bubble(sched.pipeline_schedule, p, sched.microbatches, v, simulate=simulate,
+                 plugin_manager=plugin_manager)
     timing = hardware if hardware.timed else _with_default_speeds(hardware)
     step = estimate_step(counts, layout, work, list(comm), bub.fraction, timing)
-    return Plan(counts, layout, work, hardware, memory, comm, bub, step)
+    return Plan(counts, layout, work, hardware, memory, comm, bub, step,
+                unchecked_axes(layout, plugin_manager))
 
 
 def _with_default_speeds(hw: Hardware) -> Hardware:

@@ -31,7 +31,6 @@ def _resident(plan: Plan) -> str:
 
 def _sharded(plan: Plan) -> str:
     par, sched = plan.layout.parallelism, plan.layout.schedule
-    d = plan.layout.degrees
     parts = []
     if par.tensor > 1:
         parts.append(f"weight matrices and the vocabulary over {par.tensor} tensor ranks")
@@ -39,7 +38,7 @@ def _sharded(plan: Plan) -> str:
         parts.append(f"layers over {par.pipeline} pipeline stages")
     if par.expert > 1:
         parts.append(f"experts over {par.expert} expert ranks")
-    replicas = d["data"] * d["expert"] * d["context"]
+    replicas = plan.layout.token_replicas
     zero = {1: "the optimizer state",
             2: "optimizer state and gradients", 3: "optimizer state, gradients and weights"}
     if replicas == 1:
@@ -102,7 +101,7 @@ def _failure_modes(plan: Plan) -> str:
     if par.expert > 1:
         watch.append("router load imbalance: log tokens assigned, accepted and dropped per "
                      "expert")
-    if par.context > 1 and plan.work.context_impl == "ring":
+    if par.context > 1 and par.context_mode == "ring":
         watch.append("causal attention makes later sequence chunks costlier than earlier "
                      "ones unless chunks are load-balanced")
     if sched.activation_checkpointing != "none" and par.pipeline > 1:

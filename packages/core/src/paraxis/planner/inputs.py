@@ -1,5 +1,6 @@
 """What is trained (:class:`Workload`) and on what (:class:`Hardware`); the layout itself
-is a :class:`paraxis.config.ParallelConfig`, the same object a run validates."""
+is a :class:`paraxis.config.parallel.ParallelConfig`, the same object a run validates
+(its ``parallelism.context_mode`` says ring or Ulysses)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ class Workload:
     global_batch: int = 512
     micro_batch: int = 1
     precision: Literal["mixed", "fp32"] = "mixed"
-    context_impl: Literal["ring", "ulysses"] = "ring"
 
     @property
     def element_size(self) -> int:

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from paraxis.config import ParallelConfig
+from paraxis.config.parallel import ParallelConfig
 from paraxis.planner.activations import (
     exact_head_bytes,
     exact_layer_bytes,
@@ -159,7 +159,7 @@ def _activations(counts: ModelCounts, layout: ParallelConfig, work: Workload, ra
                  recompute=sched.activation_checkpointing, element=work.element_size,
                  context=c)
     if is_exact(counts):
-        ulysses = c > 1 and work.context_impl == "ulysses"
+        ulysses = c > 1 and par.context_mode == "ulysses"
         dense_layer = exact_layer_bytes(counts, **shape, ulysses=ulysses)
         moe_layer = exact_layer_bytes(counts, **shape, moe=True, ulysses=ulysses)
     else:
@@ -197,7 +197,7 @@ def _buffers(counts: ModelCounts, layout: ParallelConfig, work: Workload,
     t, e = par.tensor, par.expert
     w = BYTES_PER_PARAM[work.precision][0]
     out: dict[str, Any] = {}
-    if par.data * par.expert * par.context > 1:
+    if layout.token_replicas > 1:
         if par.zero < 3:  # one bucket in flight, never more than the gradients it holds
             held = sum(c.matrices / t + c.vectors + c.experts / (e * t) for c in layers)
             grad = BYTES_PER_PARAM[work.precision][1]

@@ -27,9 +27,9 @@ import torch
 import yaml
 from torch import nn
 
-from paraxis.metrics import non_embedding_params
+from paraxis.config.shape import ModelShape
+from paraxis.engine.metrics import non_embedding_params
 from paraxis.planner.units import PlanInputError, fmt_count
-from paraxis.validation import ModelShape
 
 __all__ = ["LayerCount", "ModelCounts", "ModelSource", "build_on_meta", "count_model",
            "load_model_source"]
@@ -72,7 +72,7 @@ class ModelCounts:
     final: int
     head: int  # 0 when tied to the embedding
     tied: bool
-    non_embedding: int  # as paraxis.metrics.non_embedding_params counts it (PaLM's N)
+    non_embedding: int  # as paraxis.engine.metrics.non_embedding_params counts it (PaLM's N)
     hidden_size: int
     num_heads: int
     kv_heads: int
@@ -170,7 +170,7 @@ def build_on_meta(source: ModelSource, plugin_manager: Any) -> nn.Module:
     try:
         with torch.device("meta"):
             if source.family == "tiny":
-                from paraxis.tiny import TinyConfig, TinyTransformer
+                from paraxis.models.tiny import TinyConfig, TinyTransformer
 
                 return TinyTransformer(TinyConfig(**source.config))
             model = plugin_manager.hook.paraxis_build_model(family=source.family,

@@ -21,7 +21,7 @@ def _options(plan: Plan) -> str:
         v = f" x {sched.virtual_stages} chunks" if sched.virtual_stages > 1 else ""
         parts.append(f"{sched.pipeline_schedule}{v}")
     if par.context > 1:
-        parts.append(f"{plan.work.context_impl} context")
+        parts.append(f"{par.context_mode} context")
     return ", ".join(parts)
 
 
@@ -103,7 +103,17 @@ def format_plan(plan: Plan) -> str:
     else:
         lines.append("bubble     none (no pipeline)")
     lines += _step_line(plan)
+    if plan.unchecked:
+        lines.append(_unchecked_line(plan.unchecked))
     return "\n".join(lines)
+
+
+def _unchecked_line(axes: tuple[str, ...]) -> str:
+    from paraxis.engine.resolve import PACKAGE_FOR_AXIS
+
+    installs = " ".join(sorted({PACKAGE_FOR_AXIS[a] for a in axes}))
+    return (f"unchecked  the rules of {', '.join(axes)} were not checked: the package is not "
+            f"installed (pip install {installs}); a run may refuse this layout")
 
 
 def format_ranking(r: Ranking, *, world: int, top: int, hw: Hardware) -> str:

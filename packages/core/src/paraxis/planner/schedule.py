@@ -12,16 +12,18 @@ and the pipeline bubble.
   one, ``2(p - r - 1) + (v - 1)p + 1`` chunks of ``L/(pv)`` layers: on the first rank
   ``L(1 + (p-1)/(pv))`` layers' worth, as Korthikanti et al. (arXiv:2205.05198, section
   4.2.3) state. Without a pipeline, microbatches run one after another: one alive.
-* Bubble (idle share of the step): ``(p-1)/(m+p-1)`` for GPipe and 1F1B,
-  ``(p-1)/(v·m+p-1)`` interleaved (Narayanan et al., section 2.2), ``(p-1)/(3m+p-1)``
-  for ZB-H1 with equal F, B and W costs (Qi et al.: its bubble is ``(p-1)(F+B-W)``
-  against 1F1B's ``(p-1)(F+B+W)``). When paraxis_pp is installed and the schedule is
-  small enough, its simulator replaces the closed form (core does not require it).
+* Bubble (idle share of the step): the closed form of
+  :func:`paraxis.parallel.bubble.closed_form_bubble`; when an installed plugin simulates
+  the schedule (paraxis-pp-schedules, through ``paraxis_pipeline_bubble``) and it is
+  small enough, the dry run replaces it (core does not require one).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from paraxis.parallel import bubble as theory
 
 __all__ = ["Bubble", "alive_units", "bubble", "closed_form_bubble", "rank_chunks"]
 
@@ -56,28 +58,24 @@ class Bubble:
 
 
 def closed_form_bubble(schedule: str, p: int, m: int, v: int = 1) -> Bubble:
-    if p == 1:
-        return Bubble(0.0, "closed form", "no pipeline")
-    if schedule == "interleaved_1f1b":
-        return Bubble((p - 1) / (v * m + p - 1), "closed form", "(p-1)/(v·m+p-1)")
-    if schedule == "zero_bubble_h1":
-        return Bubble((p - 1) / (3 * m + p - 1), "closed form", "(p-1)/(3m+p-1)")
-    return Bubble((p - 1) / (m + p - 1), "closed form", "(p-1)/(m+p-1)")
+    fraction, formula = theory.closed_form_bubble(schedule, p, m, v)
+    return Bubble(fraction, "closed form", formula)
 
 
-def bubble(schedule: str, p: int, m: int, v: int = 1, *, simulate: bool = True) -> Bubble:
-    """The closed form, or paraxis_pp's dry run (unit forward, backward input-gradient and
-    weight-gradient costs: the backward is twice the forward) when it is installed."""
+def bubble(schedule: str, p: int, m: int, v: int = 1, *, simulate: bool = True,
+           plugin_manager: Any = None) -> Bubble:
+    """The closed form, or an installed plugin's dry run of the schedule (unit forward,
+    backward input-gradient and weight-gradient costs) when one answers."""
     closed = closed_form_bubble(schedule, p, m, v)
     if not simulate or p == 1 or 3 * p * m * v > SIMULATE_MAX_ACTIONS:
         return closed
-    try:
-        from paraxis_pp import build
-        from paraxis_pp import simulate as run
-    except ImportError:
+    if plugin_manager is None:
+        from paraxis.engine.plugins import make_plugin_manager
+
+        plugin_manager = make_plugin_manager()
+    fraction = plugin_manager.hook.paraxis_pipeline_bubble(
+        schedule=schedule, stages=p, microbatches=m, virtual_stages=v)
+    if fraction is None:
         return closed
-    try:
-        timeline = run(build(schedule, p, m, v), f=1.0, b=1.0, w=1.0)
-    except ValueError:
-        return closed
-    return Bubble(timeline.bubble, "paraxis_pp simulation", closed.formula)
+    return Bubble(fraction, "simulated by an installed plugin (paraxis-pp-schedules)",
+                  closed.formula)

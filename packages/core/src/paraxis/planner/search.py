@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from paraxis.config import AXES
+from paraxis.config.parallel import AXES
 from paraxis.planner.evaluate import Plan, evaluate, make_layout, problems
 from paraxis.planner.inputs import Hardware, Workload
 from paraxis.planner.memory import layer_activation_bytes, model_state_bytes
@@ -97,7 +97,8 @@ def best_for_grid(counts: ModelCounts, degrees: dict[str, int], options: dict[st
         if problems(counts, layout, work, plugin_manager=pm):
             continue
         valid = True
-        plan = evaluate(counts, layout, work, hw, simulate=False, every_rank=False)
+        plan = evaluate(counts, layout, work, hw, simulate=False, every_rank=False,
+                        plugin_manager=pm)
         if smallest is None or plan.worst.total < smallest.worst.total:
             smallest = plan
         if plan.fits is False:

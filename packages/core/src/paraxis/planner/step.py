@@ -1,7 +1,7 @@
 """Step time and MFU, a first-order estimate from FLOPs, bytes and link speeds.
 
 Model FLOPs per token are PaLM's 6N + 12·L·H·Q·T (arXiv:2204.02311, appendix B), the
-accounting of :mod:`paraxis.metrics`, with N the non-embedding parameters a token runs
+accounting of :mod:`paraxis.engine.metrics`, with N the non-embedding parameters a token runs
 through (top-k of the experts). Recomputation costs time but is not model FLOPs (HFU,
 not MFU): selective adds the attention block's forward (its projections, 2·N_attn, and
 the core, 4·L·H·Q·T), full a whole forward (2N + 4·L·H·Q·T).
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from paraxis.config import ParallelConfig
-from paraxis.metrics import flops_per_token
+from paraxis.config.parallel import ParallelConfig
+from paraxis.engine.metrics import flops_per_token
 from paraxis.planner.comm import AxisComm
 from paraxis.planner.inputs import Hardware, Workload
 from paraxis.planner.memory import MiB
@@ -82,7 +82,7 @@ def estimate_step(counts: ModelCounts, layout: ParallelConfig, work: Workload,
     exposed: dict[str, float] = {}
     for a in comm:
         seconds = a.bytes / (hw.intra_bw if a.link == "intra" else hw.inter_bw)
-        if a.axis == "context" and work.context_impl == "ring":
+        if a.axis == "context" and layout.parallelism.context_mode == "ring":
             seconds = max(0.0, seconds - attention)
         elif a.axis == "data":
             seconds = _data_exposed(a, layout, seconds, compute + recompute)

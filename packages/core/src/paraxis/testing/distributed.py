@@ -23,10 +23,10 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from paraxis.launch import free_port
-from paraxis.liveness import STALE_AFTER_S
+from paraxis.runtime.liveness import STALE_AFTER_S
+from paraxis.runtime.world import free_port
 
-__all__ = ["DistributedWorld", "RankFailure", "free_port", "run_distributed"]
+__all__ = ["DistributedWorld", "RankFailure", "WorldPool", "free_port", "run_distributed"]
 
 DEFAULT_TIMEOUT = 120.0
 
@@ -174,3 +174,34 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
     """Spawn ``world_size`` ranks, run ``fn(*args)`` on each, shut down, return results."""
     with DistributedWorld(world_size, timeout=timeout) as world:
         return world.run(fn, *args)
+
+
+class WorldPool:
+    """Worlds of several sizes, each started on first use and again after a failure
+    broke it (the ``worlds`` fixture of :mod:`paraxis.testing.pytest_plugin`, and the
+    planner's accuracy measurement)."""
+
+    def __init__(self, timeout: float = DEFAULT_TIMEOUT):
+        self.timeout = timeout
+        self._worlds: dict[int, DistributedWorld] = {}
+
+    def run(self, world_size: int, fn: Callable[..., Any], *args: Any,
+            timeout: float | None = None) -> list[Any]:
+        world = self._worlds.get(world_size)
+        if world is None or world.broken:
+            world = DistributedWorld(world_size, timeout=self.timeout).start()
+            self._worlds[world_size] = world
+        return world.run(fn, *args, timeout=timeout)
+
+    def restart(self, world_size: int) -> None:
+        """Close the world of ``world_size``; the next run starts a fresh one (after a
+        failure that may have left a rank inside a collective)."""
+        world = self._worlds.pop(world_size, None)
+        if world is not None:
+            world.broken = True  # do not wait for ranks that may be stuck
+            world.close()
+
+    def close(self) -> None:
+        for world in self._worlds.values():
+            world.close()
+        self._worlds.clear()

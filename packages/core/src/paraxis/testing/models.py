@@ -1,5 +1,5 @@
 """Re-export of the built-in tiny model for tests and benchmarks."""
 
-from paraxis.tiny import TinyConfig, TinyTransformer, causal_lm_loss, random_batches
+from paraxis.models.tiny import TinyConfig, TinyTransformer, causal_lm_loss, random_batches
 
 __all__ = ["TinyConfig", "TinyTransformer", "causal_lm_loss", "random_batches"]

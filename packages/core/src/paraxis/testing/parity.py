@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paraxis.placement import Placement, placement_of
+from paraxis.parallel.placement import Placement, placement_of
 from paraxis.testing.tolerance import assert_weights_close
 
 __all__ = ["assemble", "assert_same_weights", "local_shards", "train_on_random_tokens"]
@@ -36,7 +36,7 @@ def assemble(per_rank: list[dict[str, tuple[torch.Tensor, Placement]]]) -> dict[
 
 def _place(target: torch.Tensor, local: torch.Tensor, rec: Placement) -> None:
     """Write ``local``'s real rows where its placement puts them (nested shards, packed
-    blocks and padding included: :meth:`paraxis.placement.Placement.pieces`)."""
+    blocks and padding included: :meth:`paraxis.parallel.placement.Placement.pieces`)."""
     for piece in rec.pieces():
         tgt, loc = target[piece.where], local[piece.local]
         seen = ~torch.isnan(tgt)

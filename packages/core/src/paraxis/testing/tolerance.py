@@ -1,9 +1,9 @@
 """The one parity tolerance every paraxis test uses, and why it is what it is.
 
-The budget of one step's numbers is :data:`paraxis.numerics.REDUCTION_RTOL` (1e-5): a
+The budget of one step's numbers is :data:`paraxis.parallel.numerics.REDUCTION_RTOL` (1e-5): a
 parallel run sums the same terms as its one-process reference in another order, and in
 fp32 two orders of a sum of up to 2.5·10^4 terms differ by ≲ u·√n ≈ 1e-5 relative (the
-derivation is in :mod:`paraxis.numerics`, shared with paraxis's own checks).
+derivation is in :mod:`paraxis.parallel.numerics`, shared with paraxis's own checks).
 
 * :data:`STEP_RTOL` (1e-5): the loss, the gradient norm and the first step's gradients.
   Later steps' losses use it too: over the ≤ 20-step runs of this suite the weights
@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
-from paraxis.numerics import REDUCTION_RTOL
+from paraxis.parallel.numerics import REDUCTION_RTOL
 
 __all__ = ["ADAM_FRACTION", "FP64_RTOL", "STEP_RTOL", "WEIGHT_RTOL", "assert_losses_close",
            "assert_step_close", "assert_weights_close", "weight_atol"]

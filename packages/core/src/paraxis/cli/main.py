@@ -1,0 +1,152 @@
+"""The ``paraxis`` command line: ``validate``, ``train`` and ``plan``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from collections.abc import Sequence
+
+from paraxis.cli.checkpoint import add_checkpoint_commands
+from paraxis.config.errors import ConfigError
+from paraxis.config.rules import validate
+from paraxis.config.run import RunConfig
+from paraxis.config.shape import ModelShape
+from paraxis.engine.plugins import make_plugin_manager
+from paraxis.engine.resolve import missing_axes, resolve_strategies
+from paraxis.planner.cli import add_plan_parser
+from paraxis.train.launcher import add_launch_arguments
+from paraxis.train.lifecycle import LOCK_ENV, DirectoryLock, LockedError, die_with_parent
+
+__all__ = ["main"]
+
+
+def _load_checked(args: argparse.Namespace) -> RunConfig:
+    """Load the config and check everything that can be checked without processes."""
+    config = RunConfig.load(args.config, getattr(args, "overrides", ()))
+    model = ModelShape.from_file(args.model) if getattr(args, "model", None) else None
+    if model is not None:  # what is split and counted is the trained length
+        model = dataclasses.replace(model, seq_length=config.train.seq_length)
+    if model is None and config.model.config:
+        model = ModelShape.from_hf_config({**config.model.config,
+                                           "max_position_embeddings": config.train.seq_length})
+        model = model if model.hidden_size and model.num_attention_heads else None
+    pm = make_plugin_manager()
+    missing = missing_axes(config, pm, has_experts=bool(model and model.num_experts))
+    validate(config, world_size=getattr(args, "world_size", None), model=model,
+             plugin_manager=pm, extra=[*config.check_run(), *missing])
+    return config
+
+
+def _load_or_report(args: argparse.Namespace) -> RunConfig | None:
+    """The checked config, or None after printing every problem to stderr."""
+    try:
+        return _load_checked(args)
+    except (ConfigError, ImportError, OSError) as exc:
+        print(f"{args.config}: {exc}", file=sys.stderr)
+        return None
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    """Check a config (and optionally a model config) without starting any process."""
+    config = _load_or_report(args)
+    if config is None:
+        return 1
+    strategies = resolve_strategies(config, make_plugin_manager())
+    degrees = " x ".join(f"{a}={d}" for a, d in config.degrees.items())
+    names = ", ".join(f"{s.axis} ({s.phase.name.lower()})" for s in strategies) or "none"
+    print(f"{args.config}: valid. world size {config.world_size} ({degrees}); "
+          f"strategies: {names}")
+    if args.device_memory:
+        return _warn_if_too_big(config, args)
+    return 0
+
+
+def _warn_if_too_big(config: RunConfig, args: argparse.Namespace) -> int:
+    """Warn (exit 0) when the planner says the layout will not fit the device."""
+    from paraxis.planner.cli import fit_warning
+    from paraxis.planner.units import PlanInputError
+
+    try:
+        warning = fit_warning(config, device_memory=args.device_memory, model=args.model)
+    except PlanInputError as exc:
+        if "--device-memory" in str(exc):
+            print(f"{args.config}: {exc}", file=sys.stderr)
+            return 1
+        warning = f"cannot plan memory: {exc}"
+    if warning:
+        print(f"{args.config}: warning: {warning}", file=sys.stderr)
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    """Train from a config; outside torchrun, launch the workers under torchrun's agent."""
+    config = _load_or_report(args)
+    if config is None:
+        return 1
+    ckpt = config.train.checkpoint_dir
+    try:
+        if "RANK" not in os.environ:
+            from paraxis.train.launcher import LaunchOptions, run_workers
+
+            argv = sys.argv[1:] if args.argv is None else args.argv
+            return run_workers(config.world_size, LaunchOptions.from_args(args), argv, ckpt)
+        return _train_here(config)
+    except (ConfigError, LockedError) as exc:
+        print(f"{args.config}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _train_here(config: RunConfig) -> int:
+    """A worker: train on the current world (torchrun's environment)."""
+    from paraxis.runtime.grid import shutdown
+    from paraxis.train.loop import train
+
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent()  # never outlive the launcher (it may be killed outright)
+    lock = None
+    ckpt = config.train.checkpoint_dir
+    if ckpt and os.environ.get("RANK") == "0" and LOCK_ENV not in os.environ:
+        lock = DirectoryLock(ckpt).acquire()  # launched by torchrun directly
+    try:
+        train(config)
+        shutdown()
+    finally:
+        if lock is not None:
+            lock.release()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="paraxis", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    val = sub.add_parser("validate", help=_cmd_validate.__doc__)
+    val.add_argument("--config", required=True, help="YAML run configuration")
+    val.add_argument("--model", help="model config: config.json, or YAML with a model: section")
+    val.add_argument("--world-size", type=int, default=None,
+                     help="check against this many processes")
+    val.add_argument("--device-memory", help="warn when the plan says a rank needs more "
+                     "than this, e.g. 80GB")
+    val.add_argument("overrides", nargs="*", help="section.key=value")
+    val.set_defaults(func=_cmd_validate)
+    tr = sub.add_parser("train", help=_cmd_train.__doc__)
+    tr.add_argument("--config", required=True, help="YAML run configuration")
+    tr.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=50")
+    add_launch_arguments(tr)
+    tr.set_defaults(func=_cmd_train)
+    add_plan_parser(sub)
+    pm = make_plugin_manager()
+    add_checkpoint_commands(sub, pm)
+    pm.hook.paraxis_cli_commands(subparsers=sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.argv = None if argv is None else list(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""The parallel configuration: degrees per axis, schedule and checkpoint options.
+
+Loaded from keyword arguments (``ParallelConfig.from_kwargs(data=2, tensor=2)``) or from
+YAML in the seed format::
+
+    parallelism: {data: ${DATA_PARALLEL_DEGREE}, tensor: 2, pipeline: 1, expert: 1}
+    schedule: {microbatches: 4, activation_checkpointing: selective}
+    checkpoint: {format: distributed, save_rng_state: true, save_data_position: true}
+
+pydantic checks types and ranges; the cross-field rules (world size, divisibility by the
+model's shape) live in :mod:`paraxis.config.rules`, so both report through one
+:class:`~paraxis.config.errors.ConfigError` listing every problem at once.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError
+
+from paraxis.config.errors import ConfigError, Problem
+
+__all__ = [
+    "AXES",
+    "PIPELINE_SCHEDULES",
+    "SAMPLE_AXES",
+    "TOKEN_AXES",
+    "CheckpointConfig",
+    "MoEConfig",
+    "Offload",
+    "ParallelConfig",
+    "Parallelism",
+    "ScheduleConfig",
+    "expand_env",
+]
+
+# Mesh order, outermost first (DESIGN section 2): tensor ranks are the most local.
+AXES: tuple[str, ...] = ("pipeline", "data", "expert", "context", "tensor")
+# Ranks that hold distinct tokens: samples are split over data x expert and each sequence
+# over context. Dense parameters are replicated over these axes and their gradients
+# averaged there; every rank's loss is scaled by their product (the token replicas).
+TOKEN_AXES: tuple[str, ...] = ("data", "expert", "context")
+# Ranks that hold distinct samples (tensor, context and pipeline ranks share them).
+SAMPLE_AXES: tuple[str, ...] = ("data", "expert")
+# The pipeline schedules paraxis-pp-schedules builds (its registry is checked against
+# this list in its tests; the planner and the config read it from here).
+PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Offload(_Section):
+    """Where ZeRO keeps optimizer state and parameters between uses (ZeRO-Offload,
+    ZeRO-Infinity; the DeepSpeed bridge, paraxis-deepspeed, does the moving)."""
+
+    optimizer: Literal["none", "cpu", "nvme"] = "none"
+    parameters: Literal["none", "cpu", "nvme"] = "none"
+    nvme_path: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.optimizer != "none" or self.parameters != "none"
+
+
+class Parallelism(_Section):
+    """Degree of every grid axis, the ZeRO stage and data-parallel bucket size."""
+
+    data: PositiveInt = 1
+    tensor: PositiveInt = 1
+    pipeline: PositiveInt = 1
+    expert: PositiveInt = 1
+    context: PositiveInt = 1
+    zero: Literal[0, 1, 2, 3] = 0
+    sequence_parallel: bool = False
+    # How the context axis splits attention: ring (K/V circulate) or Ulysses (heads).
+    context_mode: Literal["ring", "ulysses"] = "ring"
+    bucket_mb: float = Field(default=25.0, gt=0)
+    offload: Offload = Offload()
+
+
+class ScheduleConfig(_Section):
+    """How one optimizer step is cut into microbatches, how a pipeline orders them, and
+    what is recomputed."""
+
+    microbatches: PositiveInt = 1
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    pipeline_schedule: Literal[PIPELINE_SCHEDULES] = "1f1b"  # type: ignore[valid-type]
+    virtual_stages: PositiveInt = 1  # model chunks per pipeline rank (interleaved)
+    # First layer of each stage after the first; None: balance by estimated cost.
+    pipeline_split: list[int] | None = None
+
+
+class MoEConfig(_Section):
+    """Mixture-of-experts routing under expert parallelism (paraxis-moe-ep).
+
+    ``capacity_factor`` None is dropless (the Hugging Face model's own behaviour);
+    otherwise each expert keeps at most ``max(min_capacity, ceil(factor x tokens x top_k
+    / experts))`` of a rank's assignments, chosen by ``drop_policy``, before the
+    exchange. ``aux_loss_coef`` None takes the model's ``router_aux_loss_coef``.
+    """
+
+    capacity_factor: float | None = Field(default=None, gt=0)
+    drop_policy: Literal["probs", "position"] = "probs"
+    min_capacity: NonNegativeInt = 4
+    aux_loss_coef: float | None = Field(default=None, ge=0)
+    z_loss_coef: float = Field(default=0.0, ge=0)
+
+
+class CheckpointConfig(_Section):
+    """What a checkpoint holds (DESIGN section 6)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    format: Literal["distributed"] = "distributed"
+    save_rng_state: bool = True
+    save_data_position: bool = True
+    # ``async: true``: snapshot to host memory, write in a background thread
+    # (paraxis.checkpoint.background); the step waits only for the snapshot.
+    async_save: bool = Field(default=False, alias="async")
+
+
+class ParallelConfig(_Section):
+    """Everything that decides how a model is laid out over the process grid."""
+
+    parallelism: Parallelism = Parallelism()
+    schedule: ScheduleConfig = ScheduleConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    moe: MoEConfig = MoEConfig()
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        """Degree of each grid axis, in mesh order (outermost first)."""
+        return {axis: getattr(self.parallelism, axis) for axis in AXES}
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.degrees.values())
+
+    @property
+    def token_replicas(self) -> int:
+        """Ranks holding distinct tokens: the product over :data:`TOKEN_AXES`."""
+        return math.prod(self.degrees[a] for a in TOKEN_AXES)
+
+    @property
+    def sample_shards(self) -> int:
+        """Ranks holding distinct samples: the product over :data:`SAMPLE_AXES`."""
+        return math.prod(self.degrees[a] for a in SAMPLE_AXES)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ParallelConfig:
+        """Build from nested sections; every type error is reported at once."""
+        try:
+            return cls.model_validate(dict(data))
+        except ValidationError as exc:
+            raise ConfigError([_problem_from_pydantic(e) for e in exc.errors()]) from None
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> ParallelConfig:
+        """Build from flat keywords: ``data=2, tensor=2, zero=1, microbatches=4``.
+
+        Keys of :class:`Parallelism`, :class:`ScheduleConfig` and
+        :class:`CheckpointConfig` may be given flat; a section may also be given whole
+        (``schedule={...}``).
+        """
+        sections: dict[str, dict[str, Any]] = {
+            "parallelism": {}, "schedule": {}, "checkpoint": {}, "moe": {}}
+        owners = {
+            name: section
+            for section, model in (
+                ("parallelism", Parallelism),
+                ("schedule", ScheduleConfig),
+                ("checkpoint", CheckpointConfig),
+            )
+            for name in model.model_fields
+        }
+        unknown = []
+        for key, value in kwargs.items():
+            if key in sections:
+                sections[key].update(dict(value))
+            elif key in owners:
+                sections[owners[key]][key] = value
+            else:
+                unknown.append(
+                    Problem(key, value, "is not a configuration option",
+                            f"use one of {sorted(owners)}")
+                )
+        if unknown:
+            raise ConfigError(unknown)
+        return cls.from_dict(sections)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str],
+                  env: Mapping[str, str] | None = None) -> ParallelConfig:
+        """Load the seed YAML format; ``${VAR}`` expands from ``env`` (default os.environ).
+
+        Sections other than the three above (``model``, ``train``...) are ignored here:
+        they belong to the engine's own configuration.
+        """
+        text = expand_env(Path(path).read_text(), os.environ if env is None else env,
+                          source=str(path))
+        raw = yaml.safe_load(text) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError([Problem(str(path), type(raw).__name__, "must be a YAML mapping",
+                                       "write sections such as 'parallelism:' at top level")])
+        return cls.from_dict({k: raw[k] for k in cls.model_fields if k in raw})
+
+
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def expand_env(text: str, env: Mapping[str, str], source: str = "<config>") -> str:
+    """Replace ``${VAR}`` (or ``${VAR:-default}``) in YAML text before it is parsed.
+
+    Expansion is textual because the seed format puts references inside flow mappings
+    (``{data: ${DP}}``), which YAML cannot parse unexpanded; after it, ``data: 2`` parses
+    as an integer. Comment lines are left alone. All unset variables are reported
+    together, each with its line.
+    """
+    missing: list[Problem] = []
+    lines = text.splitlines(keepends=True)
+    for number, line in enumerate(lines, start=1):
+        if line.lstrip().startswith("#"):
+            continue
+
+        def lookup(match: re.Match[str], number: int = number, line: str = line) -> str:
+            name, default = match.group(1), match.group(2)
+            if name in env:
+                return env[name]
+            if default is not None:
+                return default
+            missing.append(Problem(f"{source}:{number}", line.strip(),
+                                   f"environment variable {name} is not set",
+                                   f"export {name}=... or write a literal value"))
+            return match.group(0)
+
+        lines[number - 1] = _VAR.sub(lookup, line)
+    if missing:
+        raise ConfigError(missing)
+    return "".join(lines)
+
+
+_FIXES = {
+    "extra_forbidden": "remove it or correct its spelling",
+    "greater_than": "use a positive value",
+    "int_parsing": "use a whole number",
+    "int_type": "use a whole number",
+    "bool_parsing": "use true or false",
+    "literal_error": "use one of the allowed values",
+    "model_type": "write this section as a mapping",
+    "dict_type": "write this section as a mapping",
+}
+
+
+def _problem_from_pydantic(err: Mapping[str, Any]) -> Problem:
+    field = ".".join(str(p) for p in err["loc"])
+    fix = _FIXES.get(err["type"], "change the value so that the rule holds")
+    return Problem(field, err.get("input"), str(err["msg"]).rstrip("."), fix)

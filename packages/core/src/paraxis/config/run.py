@@ -1,0 +1,125 @@
+"""The whole run's configuration: the parallel sections plus model, train, data, logging.
+
+One YAML file drives ``paraxis train`` and ``paraxis validate``. ``key.path=value``
+overrides on the command line are applied before validation, so they are checked like
+the file itself.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt
+
+from paraxis.config.errors import ConfigError, Problem
+from paraxis.config.parallel import ParallelConfig, _Section, expand_env
+
+__all__ = ["DataSection", "LoggingSection", "ModelSection", "RunConfig", "TrainSection"]
+
+
+class ModelSection(_Section):
+    """``family``: ``tiny`` (built in) or a transformers ``model_type`` (llama, mistral,
+    qwen2, gpt2...) built from ``config`` by paraxis-hf, never downloaded."""
+
+    family: str = "tiny"
+    config: dict[str, Any] = Field(default_factory=dict)
+    # A save_pretrained directory to start from (its config gives the family; ``config``
+    # overrides fields); each rank reads only its slices of the weights.
+    pretrained: str | None = None
+
+
+class TrainSection(_Section):
+    steps: PositiveInt = 200
+    global_batch: PositiveInt = 16  # sequences per optimizer step, all replicas together
+    seq_length: PositiveInt = 128
+    lr: float = Field(default=3e-3, gt=0)
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    warmup_steps: NonNegativeInt = 10
+    weight_decay: NonNegativeFloat = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: NonNegativeFloat = 1.0  # 0 disables clipping
+    bf16: bool = False
+    seed: int = 0
+    log_every: PositiveInt = 10
+    checkpoint_every: NonNegativeInt = 0  # 0: only at the end
+    checkpoint_dir: str | None = None  # None: no checkpoints
+    resume: bool = True  # continue from checkpoint_dir/latest when it exists
+    # Stop after this many steps of this run (saving a checkpoint), as Megatron's
+    # --exit-interval: lets a job fit a time slot; the schedule still spans `steps`.
+    exit_after_steps: PositiveInt | None = None
+    peak_flops: float | None = Field(default=None, gt=0)  # per device, for MFU
+    trace_dir: str | None = None  # per-rank Chrome traces of the last logged step
+
+
+class DataSection(_Section):
+    """``source``: ``stdlib`` (the running interpreter's standard-library sources), a
+    text or JSONL file, a directory of them, or a ``datasets`` dataset saved to disk."""
+
+    source: str = "stdlib"
+    format: Literal["auto", "text", "jsonl", "hf_disk"] = "auto"
+    text_field: str = "text"
+    tokenizer: str = "bytes"  # or the path of a local Hugging Face tokenizer
+    max_bytes: PositiveInt = 8_000_000
+    shuffle: bool = True
+
+
+class LoggingSection(_Section):
+    wandb: bool = True  # used when paraxis-wandb is installed
+    project: str = "paraxis"
+    run_name: str | None = None
+    progress: bool = True  # rich progress bar on the logging rank
+
+
+class RunConfig(ParallelConfig):
+    model: ModelSection = ModelSection()
+    train: TrainSection = TrainSection()
+    data: DataSection = DataSection()
+    logging: LoggingSection = LoggingSection()
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], overrides: Sequence[str] = (),
+             env: Mapping[str, str] | None = None) -> RunConfig:
+        """Read YAML (with ``${VAR}`` expansion), apply ``a.b=value`` overrides and check
+        types. Cross-field rules are :meth:`check_run` and
+        :func:`paraxis.config.rules.validate`; the CLI reports them all together."""
+        text = expand_env(Path(path).read_text(), os.environ if env is None else env,
+                          source=str(path))
+        raw = yaml.safe_load(text) or {}
+        apply_overrides(raw, overrides)
+        return cls.from_dict(raw)
+
+    def check_run(self) -> list[Problem]:
+        t, mbs = self.train, self.schedule.microbatches
+        problems = []
+        if t.global_batch % (self.sample_shards * mbs):
+            problems.append(Problem(
+                "train.global_batch", t.global_batch,
+                f"must split evenly over data x expert = {self.sample_shards} ranks and "
+                f"{mbs} microbatches", f"use a multiple of {self.sample_shards * mbs}"))
+        if t.warmup_steps > t.steps:
+            problems.append(Problem("train.warmup_steps", t.warmup_steps,
+                                    f"exceeds train.steps = {t.steps}",
+                                    "shorten the warmup"))
+        return problems
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> None:
+    """``train.steps=50`` sets raw["train"]["steps"] = 50 (the value parsed as YAML)."""
+    bad = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            bad.append(Problem("override", item, "must look like section.key=value",
+                               "write e.g. train.steps=50"))
+            continue
+        node = raw
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
+    if bad:
+        raise ConfigError(bad)

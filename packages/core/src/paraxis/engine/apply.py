@@ -1,0 +1,181 @@
+"""``paraxis.parallelize``: the one call (DESIGN section 5), and how strategies apply.
+
+:func:`preflight` checks everything that needs no process; :func:`apply_parallelism`
+records every parameter's placement and applies the resolved strategies in phase order,
+materializing a deferred (meta-device) model once the layout is known; :func:`parallelize`
+does both around building the grid, then builds the optimizer and the engine and runs
+the parity probe (:mod:`paraxis.engine.probe`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from paraxis.config.errors import ConfigError
+from paraxis.config.parallel import ParallelConfig
+from paraxis.config.rules import validate
+from paraxis.config.run import TrainSection
+from paraxis.config.shape import ModelShape
+from paraxis.engine.engine import Engine
+from paraxis.engine.optim import WarmupCosine, build_adamw
+from paraxis.engine.plugins import make_plugin_manager
+from paraxis.engine.probe import Probe
+from paraxis.engine.resolve import installed_strategies, resolve_strategies
+from paraxis.parallel.model_plan import PLANNED_AXES, ModelPlan, find_plan
+from paraxis.parallel.placement import record_replicated
+from paraxis.parallel.strategy import MATERIALIZE_ATTR, ApplyContext, Phase, Strategy, deferred
+from paraxis.runtime.grid import Grid
+from paraxis.runtime.world import device_for_rank, init_distributed, launched_world_size
+
+if TYPE_CHECKING:
+    import pluggy
+
+__all__ = ["apply_parallelism", "apply_strategies", "build_optimizer", "parallelize",
+           "preflight"]
+
+
+def build_optimizer(model: nn.Module, ctx: ApplyContext,
+                    train: TrainSection) -> torch.optim.Optimizer:
+    """The first applied strategy's optimizer, asked in reverse phase order (a data
+    strategy that shards state answers first), else core's AdamW."""
+    for strategy in reversed(ctx.strategies):
+        optimizer = strategy.build_optimizer(model, ctx, train)
+        if optimizer is not None:
+            return optimizer
+    return build_adamw(model, lr=train.lr, weight_decay=train.weight_decay, betas=train.betas)
+
+
+def preflight(model: nn.Module, config: ParallelConfig, *, train: TrainSection,
+              plan: ModelPlan | None = None, model_shape: ModelShape | None = None,
+              plugin_manager: Any = None, world_size: int | None = None,
+              ) -> tuple[ModelShape | None, ModelPlan]:
+    """What :func:`parallelize` checks before any process group exists: the config
+    against the world size (``world_size``, else the launched one) and the model's shape,
+    every axis resolved to an installed package, the plan found and required for each
+    axis that rewrites modules. Raises the error ``parallelize`` would; returns the
+    model's shape (at the trained length) and its plan."""
+    pm = plugin_manager or make_plugin_manager()
+    if model_shape is None and hasattr(model, "config"):
+        model_shape = ModelShape.from_hf_config(model.config)
+    if model_shape is not None:  # what is split and counted is the trained length
+        model_shape = dataclasses.replace(model_shape, seq_length=train.seq_length)
+    model_plan = find_plan(model, pm, plan)
+    experts = bool(model_plan.experts)
+    # What only the module shows (a layout an axis does not know, an attention kernel it
+    # cannot intercept) is reported with the configuration's problems, all at once.
+    module_problems = [p for cls in installed_strategies(config, pm, has_experts=experts)
+                       for p in cls.check_model(model, config, model_plan)]
+    try:
+        validate(config, world_size=world_size or launched_world_size(), model=model_shape,
+                 plugin_manager=pm, extra=module_problems)
+    except ConfigError as err:  # with a missing axis package named first, if there is one
+        resolve_strategies(config, pm, has_experts=experts, problems=err.problems)
+        raise
+    # A missing axis package fails here, before any group.
+    resolve_strategies(config, pm, has_experts=experts)
+    for axis in PLANNED_AXES:
+        if config.degrees[axis] > 1:
+            model_plan.require(axis)
+    return model_shape, model_plan
+
+
+def parallelize(
+    model: nn.Module,
+    *,
+    data: int = 1,
+    tensor: int = 1,
+    pipeline: int = 1,
+    expert: int = 1,
+    context: int = 1,
+    zero: int = 0,
+    microbatches: int = 1,
+    config: ParallelConfig | None = None,
+    train: TrainSection | dict[str, Any] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    plan: ModelPlan | None = None,
+    model_shape: ModelShape | None = None,
+    plugin_manager: Any = None,
+    verify: bool = True,
+    **options: Any,
+) -> Engine:
+    """Lay ``model`` out over the grid and return an :class:`Engine` that trains it.
+
+    The degrees (or ``config``, which wins) are validated against the launched world
+    size and the model's shape before any process group exists; then the default group
+    is joined (torchrun's, or a world of one), the grid built, the model's plan found
+    (``plan`` or the first plugin that knows the model), and every axis applied in
+    phase order. ``train`` holds the optimizer, schedule and clipping settings
+    (:class:`paraxis.config.run.TrainSection`); ``optimizer`` replaces the default AdamW.
+    """
+    pm = plugin_manager or make_plugin_manager()
+    if config is not None and options:
+        raise TypeError(f"parallelize got both config= and options {sorted(options)}; "
+                        "put the options in the config")
+    if config is None:
+        config = ParallelConfig.from_kwargs(data=data, tensor=tensor, pipeline=pipeline,
+                                            expert=expert, context=context, zero=zero,
+                                            microbatches=microbatches, **options)
+    train_cfg = train if isinstance(train, TrainSection) else TrainSection(**(train or {}))
+    model_shape, model_plan = preflight(model, config, train=train_cfg, plan=plan,
+                                        model_shape=model_shape, plugin_manager=pm)
+
+    init_distributed()
+    grid = Grid.build(config)
+    device = device_for_rank()
+    lazy = deferred(model)  # on the meta device until each rank reads its slices
+    if not lazy:
+        model.to(device)
+    probe = None
+    # The probe runs the whole model before the split: a deferred model has no whole.
+    if verify and grid.world_size > 1 and not lazy:
+        vocab = model_shape.vocab_size if model_shape else getattr(
+            getattr(model, "config", None), "vocab_size", None)
+        probe = Probe.before(model, config, seq_length=train_cfg.seq_length, vocab=vocab,
+                             forward_kwargs=model_plan.extra.get("forward_kwargs", {}))
+    model, ctx = apply_parallelism(model, grid=grid, config=config, plugin_manager=pm,
+                                   plan=model_plan)
+    if optimizer is None:
+        optimizer = build_optimizer(model, ctx, train_cfg)
+    scheduler = WarmupCosine(optimizer, warmup=train_cfg.warmup_steps, total=train_cfg.steps,
+                             min_ratio=train_cfg.min_lr_ratio)
+    engine = Engine(model, grid=grid, config=config, ctx=ctx, optimizer=optimizer,
+                    scheduler=scheduler, train=train_cfg, plan=model_plan, device=device,
+                    model_shape=model_shape)
+    if probe is not None and ctx.skip_verify is None:
+        axes = " x ".join(f"{a} {d}" for a, d in config.degrees.items() if d > 1)
+        probe.check(engine, axes)
+    return engine
+
+
+def apply_strategies(model: nn.Module, ctx: ApplyContext,
+                     strategies: list[type[Strategy]]) -> nn.Module:
+    materialize = getattr(model, MATERIALIZE_ATTR, None)
+    for cls in sorted(strategies, key=lambda c: (c.phase, c.axis)):
+        if materialize is not None and cls.phase >= Phase.WRAP:
+            materialize(model)
+            materialize = None
+        strategy = cls()
+        model = strategy.apply(model, ctx)
+        ctx.strategies.append(strategy)
+    if materialize is not None:
+        materialize(model)
+    return model
+
+
+def apply_parallelism(model: nn.Module, *, grid: Grid, config: ParallelConfig,
+                      plugin_manager: pluggy.PluginManager | None = None,
+                      plan: object | None = None) -> tuple[nn.Module, ApplyContext]:
+    """Record placements, then apply every axis the config asks for, in phase order.
+
+    Returns the (possibly rewritten) model and the context holding its gradient
+    synchronizers. Collective: every rank of ``grid`` calls it with the same config.
+    """
+    pm = plugin_manager or make_plugin_manager()
+    strategies = resolve_strategies(config, pm, has_experts=bool(getattr(plan, "experts", ())))
+    record_replicated(model)
+    ctx = ApplyContext(grid=grid, config=config, plan=plan, plugin_manager=pm)
+    return apply_strategies(model, ctx, strategies), ctx

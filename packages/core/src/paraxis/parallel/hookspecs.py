@@ -1,0 +1,189 @@
+"""The hook specifications: the only coupling between paraxis packages (DESIGN section 4).
+
+Every plugin is a module named by an entry point in the ``paraxis`` group; it implements
+some of these hooks with :data:`hookimpl`. A test fails when a spec here has no docstring.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from paraxis.config.errors import Problem
+    from paraxis.config.parallel import ParallelConfig
+    from paraxis.config.shape import ModelShape
+    from paraxis.parallel.strategy import ApplyContext, Strategy
+    from paraxis.parallel.summary import RunReport
+
+__all__ = ["hookimpl", "hookspec"]
+
+PROJECT = "paraxis"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def paraxis_register_strategies(register: Callable[[type[Strategy]], None]) -> None:
+    """Hand this plugin's strategy classes to ``register``.
+
+    Called once by :func:`paraxis.engine.plugins.collect_strategies` when a run resolves its
+    axes. ``register`` takes a :class:`paraxis.parallel.strategy.Strategy` subclass; registering
+    two classes for the same axis is an error. Plugins must register here, never as a
+    side effect of being imported. Not firstresult: every plugin is called.
+    """
+
+
+@hookspec
+def paraxis_validate_config(
+    config: ParallelConfig, model: ModelShape | None, problems: list[Problem]
+) -> None:
+    """Append the plugin's own rules' :class:`paraxis.config.errors.Problem` items to ``problems``.
+
+    Called by :func:`paraxis.config.rules.validate` after core's rules and before any
+    process group exists. ``model`` is None when no model shape is known. Append every
+    problem found (do not raise), so the user sees all of them at once. Not firstresult.
+    """
+
+
+@hookspec(firstresult=True)
+def paraxis_model_plan(model: Any) -> Any:
+    """Return the parallel plan for ``model``, or None if this plugin does not know it.
+
+    Called by core when an axis that rewrites modules (tensor, pipeline, expert) needs a
+    plan and the user gave none. firstresult: the first non-None answer wins.
+    """
+
+
+@hookspec(firstresult=True)
+def paraxis_build_model(family: str, config: dict[str, Any]) -> Any:
+    """Build a model of ``family`` from the ``config`` mapping, or return None.
+
+    Called by :func:`paraxis.train.build.build_model` for every family core does not build
+    itself (core builds ``tiny``). paraxis-hf answers for transformers model types,
+    building from config only (nothing is downloaded). firstresult.
+    """
+
+
+@hookspec(firstresult=True)
+def paraxis_load_pretrained(directory: str, config: dict[str, Any]) -> Any:
+    """A model of the weights saved in ``directory`` (``model.pretrained``), its config
+    fields overridden by ``config``, or None. Called by
+    :func:`paraxis.train.build.build_model` when ``model.pretrained`` is set. paraxis-hf
+    answers for ``save_pretrained`` directories, building on the meta device so that
+    ``parallelize`` reads each rank's slices only
+    (``paraxis.parallel.strategy.MATERIALIZE_ATTR``). firstresult.
+    """
+
+
+@hookspec(firstresult=True)
+def paraxis_model_context(config: Any) -> Any:
+    """A context manager to construct the model in, or None (build it whole).
+
+    Called by :func:`paraxis.train.loop.train` with the :class:`paraxis.config.run.RunConfig`
+    on every rank, after the default process group exists and before the model is built.
+    paraxis-deepspeed answers under ZeRO-3 offload with ``deepspeed.zero.Init``, so a
+    model larger than one rank's memory is constructed partitioned. A model built in such
+    a context cannot run whole on one rank, so the trainer skips the parity probe of
+    ``parallelize`` for it (as ``verify=False``). firstresult.
+    """
+
+
+@hookspec
+def paraxis_log_start(config: Any, grid: dict[str, Any]) -> None:
+    """A run starts: ``config`` is the :class:`paraxis.config.run.RunConfig`, ``grid``
+    the grid's ``describe()``.
+
+    Called by the trainer on the logging rank only (the first rank of the last pipeline
+    stage), before the first step. Logging plugins open their run here and must never
+    raise or block training if their service is unreachable. Not firstresult.
+    """
+
+
+@hookspec
+def paraxis_log_metrics(step: int, metrics: dict[str, float]) -> None:
+    """Metrics of one optimizer step (loss, tokens_per_s, step_time_s, exposed_comm_s...).
+
+    Called by the trainer on the logging rank every ``train.log_every`` steps and at the
+    last step. Must return quickly and never raise. Not firstresult.
+    """
+
+
+@hookspec
+def paraxis_log_end(summary: dict[str, float]) -> None:
+    """The run ended; ``summary`` holds its totals (final loss, mean tokens/s, wall time).
+
+    Called by the trainer on the logging rank after the last step and checkpoint.
+    Logging plugins close their run here. Not firstresult.
+    """
+
+
+@hookspec(firstresult=True)
+def paraxis_stage_calls(model: Any, plan: Any) -> Any:
+    """Return how to run ``model`` as a pipeline stage (a
+    :class:`paraxis.parallel.stages.StageCalls`: ``logits(model, **kwargs)`` and
+    ``hidden(model, **kwargs)``, taking ``input_ids`` or ``inputs_embeds``), or None if
+    this plugin does not know the model.
+
+    Called by the pipeline strategy once per run. Core builds every stage from it: the
+    model itself with other stages' layers skipped (:mod:`paraxis.parallel.stages`), so a stage
+    runs the model's own forward. Core answers for its ``tiny`` model, paraxis-hf for
+    transformers causal LMs. firstresult.
+    """
+
+
+@hookspec
+def paraxis_cli_commands(subparsers: Any) -> None:
+    """Add subcommands to the ``paraxis`` command line (argparse ``subparsers``); each
+    sets ``func`` to a callable taking the parsed arguments and returning an exit code.
+
+    Called by :func:`paraxis.cli.main.build_parser` once. Not firstresult.
+    """
+
+
+@hookspec
+def paraxis_log_figure(name: str, svg: str, step: int) -> None:
+    """A picture of the run (an SVG document), e.g. the pipeline's measured timeline.
+
+    Called by the trainer on the logging rank after the last step. Logging plugins store
+    it (paraxis-wandb as an HTML panel); must never raise. Not firstresult.
+    """
+
+
+@hookspec
+def paraxis_checkpoint_commands(verbs: Any) -> None:
+    """Add verbs under ``paraxis checkpoint`` (argparse subparsers of that command; each
+    sets ``func`` like :func:`paraxis_cli_commands`). paraxis-hf adds ``export-hf``.
+    Called by :func:`paraxis.cli.checkpoint.add_checkpoint_commands` once. Not
+    firstresult.
+    """
+
+
+@hookspec
+def paraxis_summarize_run(ctx: ApplyContext, history: list[dict[str, float]]
+                          ) -> RunReport | None:
+    """What this plugin adds to the end of a run (a :class:`paraxis.parallel.summary.RunReport`:
+    summary values, table rows, figures, lines to print), or None.
+
+    Called by the trainer on every rank after the last step, with the run's context and
+    this run's step metrics, in plugin order; an implementation may be collective (the
+    pipeline gathers its measured timeline), so it must do the same collectives on every
+    rank. paraxis-pp-schedules reports the measured pipeline timeline, paraxis-moe-ep the
+    most and least loaded expert. Not firstresult: every answer is shown.
+    """
+
+
+@hookspec(firstresult=True)
+def paraxis_pipeline_bubble(schedule: str, stages: int, microbatches: int,
+                            virtual_stages: int) -> float | None:
+    """The idle share of a pipeline step for ``schedule`` with unit forward, backward
+    and weight-gradient costs, from a dry run of the schedule, or None when this plugin
+    does not simulate it.
+
+    Called by the planner (:func:`paraxis.planner.schedule.bubble`) for small schedules;
+    paraxis-pp-schedules answers from its simulator, so the planner and the executor
+    read one definition of each schedule. Without it the planner uses the closed form.
+    firstresult.
+    """

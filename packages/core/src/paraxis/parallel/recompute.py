@@ -1,0 +1,120 @@
+"""Activation checkpointing, core's own strategy (phase WRAP).
+
+``schedule.activation_checkpointing``:
+
+* ``full``: every transformer layer keeps only its input; its activations are
+  recomputed in backward (Chen et al., arXiv:1604.06174).
+* ``selective``: only each layer's attention block is recomputed, the cheap-to-redo,
+  costly-to-store part (in the spirit of Korthikanti et al., arXiv:2205.05198, section 5,
+  at module granularity: the block's projections are recomputed too).
+* ``none``: nothing.
+
+The layers are the plan's layer list (the ModuleList of the pipeline plan), else the
+model's longest ModuleList; on a pipeline stage only the layers it runs (each chunk's,
+under an interleaved schedule), never the stand-ins for other stages' layers.
+Recomputation replays every RNG stream an axis registered (the tensor-parallel dropout
+stream included) from its state at the forward, so dropout masks match; torch's
+checkpoint replays the default generator itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from paraxis.parallel.model_plan import ModelPlan, PlanError
+from paraxis.parallel.stages import PipelineChunks, chunks_of, owned_layers
+from paraxis.parallel.strategy import ApplyContext, Phase, Strategy
+
+__all__ = ["ActivationCheckpointing", "layer_list"]
+
+
+def layer_list(model: nn.Module, plan: ModelPlan | None) -> list[nn.Module]:
+    """The layers of ``model`` (one stage, or the whole model) that it runs itself."""
+    if plan is not None:
+        for name in plan.pipeline:
+            try:
+                module = model.get_submodule(name)
+            except AttributeError:
+                continue
+            if isinstance(module, nn.ModuleList):
+                return owned_layers(module)
+    lists = [m for m in model.modules()
+             if isinstance(m, nn.ModuleList) and not isinstance(m, PipelineChunks)]
+    if not lists:
+        raise PlanError(f"{type(model).__name__}: no layer list to checkpoint")
+    return owned_layers(max(lists, key=len))
+
+
+def _attention_of(layer: nn.Module) -> nn.Module:
+    for name, child in layer.named_children():
+        if name.endswith(("attn", "attention")):
+            return child
+    raise PlanError(f"{type(layer).__name__}: no attention block (a child named *attn or "
+                    "*attention) for selective recomputation; use full")
+
+
+class _Replay:
+    """Puts every stream back to its state at the forward while a recomputation runs.
+    A class, not a generator: a split backward (zero-bubble schedules) may recompute the
+    same checkpoint twice, once for input gradients and once for weight gradients."""
+
+    def __init__(self, streams: dict[str, Any], at_forward: dict[str, Any]):
+        self.streams, self.at_forward = streams, at_forward
+        self.saved: list[dict[str, Any]] = []
+
+    def __enter__(self) -> None:
+        self.saved.append({n: s.get_state() for n, s in self.streams.items()})
+        for n, s in self.streams.items():
+            s.set_state(self.at_forward[n])
+
+    def __exit__(self, *exc: object) -> None:
+        for n, state in self.saved.pop().items():
+            self.streams[n].set_state(state)
+
+
+def _wrap(module: nn.Module, streams: dict[str, Any]) -> None:
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def recomputed(*args: Any, **kwargs: Any) -> Any:
+        replay = _Replay(streams, {n: s.get_state() for n, s in streams.items()})
+
+        def contexts() -> tuple[Any, Any]:
+            return contextlib.nullcontext(), replay
+
+        # Tensors given by keyword reach checkpoint positionally: it keeps keyword
+        # arguments by reference, outside saved_tensors_hooks, where offloading hooks and
+        # the planner's measurement (issue 15) could not see the block's input.
+        names = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        rest = {k: v for k, v in kwargs.items() if k not in names}
+
+        def call(*flat: Any) -> Any:
+            n = len(flat) - len(names)
+            return forward(*flat[:n], **rest, **dict(zip(names, flat[n:], strict=True)))
+
+        return checkpoint(call, *args, *(kwargs[k] for k in names), use_reentrant=False,
+                          context_fn=contexts)
+
+    module.forward = recomputed  # type: ignore[method-assign]
+
+
+class ActivationCheckpointing(Strategy):
+    axis = "activation_checkpointing"
+    phase = Phase.WRAP
+
+    def apply(self, model: nn.Module, ctx: ApplyContext) -> nn.Module:
+        mode = ctx.config.schedule.activation_checkpointing
+        plan = ctx.plan if isinstance(ctx.plan, ModelPlan) else None
+        pick: Callable[[nn.Module], nn.Module] = (
+            _attention_of if mode == "selective" else (lambda layer: layer))
+        for chunk in chunks_of(model):
+            for layer in layer_list(chunk, plan):
+                _wrap(pick(layer), ctx.rng_streams)
+        return model

@@ -1,0 +1,192 @@
+"""The differentiable collectives a model's forward needs, as conjugate pairs.
+
+The differentiable ops are the conjugate pairs of Megatron-LM (arXiv:1909.08053,
+section 3) and of sequence parallelism (Korthikanti et al., arXiv:2205.05198):
+
+| op                 | forward                      | backward                       |
+| ------------------ | ---------------------------- | ------------------------------ |
+| ``copy_to``        | identity (Megatron's f)      | all-reduce                     |
+| ``reduce_from``    | all-reduce (Megatron's g)    | identity                       |
+| ``all_reduce``     | all-reduce                   | all-reduce (a true sum)        |
+| ``all_gather``     | all-gather along ``dim``     | own slice, or reduce-scatter   |
+| ``reduce_scatter`` | reduce-scatter along ``dim`` | all-gather                     |
+| ``split``          | own slice along ``dim``      | all-gather                     |
+| ``all_to_all``     | scatter one dim, gather one  | the reverse exchange           |
+| ``all_to_all_uneven`` | rows to ranks by counts   | rows back by the same counts   |
+
+``all_gather(..., grad="slice")`` suits a gathered tensor whose every consumer is
+replicated over the group (its gradient is the same on every rank); ``grad="sum"`` a
+tensor that each rank uses for different work (the gradient is partial per rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from paraxis.runtime.collectives import (
+    all_to_all_dims,
+    exchange_rows,
+    gather_along,
+    own_part,
+    reduce_scatter_along,
+    summed,
+)
+from paraxis.runtime.group import AxisGroup
+
+__all__ = [
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_uneven",
+    "copy_to",
+    "reduce_from",
+    "reduce_scatter",
+    "split",
+]
+
+
+class _CopyTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return summed(grad, ctx.group), None
+
+
+class _ReduceFrom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+        return summed(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return grad, None
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+        ctx.group = group
+        return summed(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return summed(grad, ctx.group), None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: AxisGroup,
+                grad_sum: bool) -> torch.Tensor:
+        ctx.dim, ctx.group, ctx.grad_sum = dim, group, grad_sum
+        return gather_along(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        if ctx.grad_sum:
+            return reduce_scatter_along(grad, ctx.dim, ctx.group), None, None, None
+        return own_part(grad, ctx.dim, ctx.group), None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: AxisGroup) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return reduce_scatter_along(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return gather_along(grad, ctx.dim, ctx.group), None, None
+
+
+class _Split(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: AxisGroup) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return own_part(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return gather_along(grad, ctx.dim, ctx.group), None, None
+
+
+class _AllToAllUneven(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: AxisGroup, send: tuple[int, ...],
+                recv: tuple[int, ...]) -> torch.Tensor:
+        ctx.group, ctx.send, ctx.recv = group, send, recv
+        return exchange_rows(x, group, send, recv)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return exchange_rows(grad, ctx.group, ctx.recv, ctx.send), None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: AxisGroup, scatter_dim: int,
+                gather_dim: int) -> torch.Tensor:
+        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
+        return all_to_all_dims(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        scatter_dim, gather_dim = ctx.dims
+        return all_to_all_dims(grad, ctx.group, gather_dim, scatter_dim), None, None, None
+
+
+def copy_to(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """Identity forward; backward sums the gradient over ``group`` (Megatron's f)."""
+    return x if group.size == 1 else _CopyTo.apply(x, group)
+
+
+def reduce_from(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """Sum over ``group`` forward; identity backward (Megatron's g)."""
+    return x if group.size == 1 else _ReduceFrom.apply(x, group)
+
+
+def all_reduce(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """A true differentiable sum over ``group``: the gradient is summed too."""
+    return x if group.size == 1 else _AllReduce.apply(x, group)
+
+
+def all_gather(x: torch.Tensor, group: AxisGroup, *, dim: int,
+               grad: str = "slice") -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``. Backward keeps this rank's slice
+    (``grad="slice"``) or reduce-scatters it (``grad="sum"``); see the module docstring."""
+    if grad not in ("slice", "sum"):
+        raise ValueError(f"grad must be 'slice' or 'sum', not {grad!r}")
+    return x if group.size == 1 else _AllGather.apply(x, dim, group, grad == "sum")
+
+
+def reduce_scatter(x: torch.Tensor, group: AxisGroup, *, dim: int) -> torch.Tensor:
+    """This rank's part along ``dim`` of the sum over ``group``; backward all-gathers."""
+    return x if group.size == 1 else _ReduceScatter.apply(x, dim, group)
+
+
+def split(x: torch.Tensor, group: AxisGroup, *, dim: int) -> torch.Tensor:
+    """This rank's equal part along ``dim``; backward all-gathers."""
+    return x if group.size == 1 else _Split.apply(x, dim, group)
+
+
+def all_to_all(x: torch.Tensor, group: AxisGroup, *, scatter_dim: int,
+               gather_dim: int) -> torch.Tensor:
+    """Cut ``scatter_dim`` into ``group.size`` parts, send part i to rank i, and stack
+    what arrives along ``gather_dim`` (DeepSpeed-Ulysses' exchange, arXiv:2309.14509)."""
+    return x if group.size == 1 else _AllToAll.apply(x, group, scatter_dim, gather_dim)
+
+
+def all_to_all_uneven(x: torch.Tensor, group: AxisGroup, send: Sequence[int],
+                      recv: Sequence[int]) -> torch.Tensor:
+    """Rows of ``x`` go to ranks in order, ``send[i]`` to rank i; ``recv[j]`` rows arrive
+    from rank j (exchange the counts first). Backward returns gradients the same way."""
+    if group.size == 1:
+        return x
+    return _AllToAllUneven.apply(x, group, tuple(int(n) for n in send),
+                                 tuple(int(n) for n in recv))

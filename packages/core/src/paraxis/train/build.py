@@ -1,0 +1,45 @@
+"""Building the model ``paraxis train`` trains: core's ``tiny``, or any family or
+pretrained directory a plugin knows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from paraxis.config.run import ModelSection, RunConfig
+from paraxis.models.tiny import TinyConfig, TinyTransformer
+
+__all__ = ["build_model", "model_spec"]
+
+
+def model_spec(cfg: RunConfig, vocab_size: int) -> ModelSection:
+    """The model section to build: ``tiny`` takes the tokenizer's vocabulary and the
+    trained length unless the config sets them."""
+    if (cfg.model.family == "tiny" and not cfg.model.pretrained
+            and "vocab_size" not in cfg.model.config):
+        return cfg.model.model_copy(update={"config": {
+            **cfg.model.config, "vocab_size": vocab_size, "seq_length": cfg.train.seq_length}})
+    return cfg.model
+
+
+def build_model(spec: ModelSection, plugin_manager: Any, *, seed: int = 0) -> nn.Module:
+    """``tiny`` is built here; any other family, or ``pretrained`` weights, by the first
+    plugin that knows it."""
+    torch.manual_seed(seed)  # every rank starts from the same weights
+    if spec.pretrained:
+        model = plugin_manager.hook.paraxis_load_pretrained(directory=spec.pretrained,
+                                                            config=spec.config)
+        if model is None:
+            raise ValueError(f"model.pretrained {spec.pretrained!r}: no installed plugin "
+                             "loads it; for save_pretrained directories: pip install "
+                             "paraxis-hf")
+        return model
+    if spec.family == "tiny":
+        return TinyTransformer(TinyConfig(**spec.config))
+    model = plugin_manager.hook.paraxis_build_model(family=spec.family, config=spec.config)
+    if model is None:
+        raise ValueError(f"model.family {spec.family!r}: no installed plugin builds it; "
+                         "for Hugging Face model types: pip install paraxis-hf")
+    return model

@@ -1,0 +1,170 @@
+"""Packed fixed-length token sequences, each sample-splitting rank reading its own slice.
+
+Documents come from local text or JSONL files, a ``datasets`` dataset saved to disk, or
+by default the running interpreter's standard-library sources (present offline on every
+machine with Python). They are tokenized (bytes by default, or a local Hugging Face
+tokenizer), joined with a separator token and cut into rows of ``seq_length`` tokens.
+:class:`BatchStream` serves global batch after global batch in a seeded order and keeps
+its position (samples consumed) so a resumed run continues with the next sample.
+"""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from paraxis.config.run import DataSection
+
+__all__ = ["BatchStream", "ByteTokenizer", "iter_documents", "load_tokenizer", "pack"]
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: vocabulary 256, no files needed. Token 0 (NUL, absent from
+    text) separates documents."""
+
+    vocab_size = 256
+    separator = 0
+
+    def encode(self, text: str) -> torch.Tensor:
+        raw = bytearray(text.encode("utf-8", errors="replace"))
+        if not raw:
+            return torch.empty(0, dtype=torch.long)
+        return torch.frombuffer(raw, dtype=torch.uint8).long()
+
+
+class _HFTokenizer:
+    def __init__(self, path: str):
+        from transformers import AutoTokenizer  # only when asked for
+
+        self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.vocab_size = len(self.tok)
+        sep = self.tok.eos_token_id
+        self.separator = sep if sep is not None else 0
+
+    def encode(self, text: str) -> torch.Tensor:
+        return torch.tensor(self.tok.encode(text, add_special_tokens=False), dtype=torch.long)
+
+
+def load_tokenizer(name: str) -> Any:
+    return ByteTokenizer() if name == "bytes" else _HFTokenizer(name)
+
+
+def _stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "test", "tests", "idlelib", "__pycache__"}
+    return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+
+
+def iter_documents(cfg: DataSection) -> Iterator[str]:
+    """Documents of the configured source, in a fixed order, up to ``max_bytes``."""
+    budget = cfg.max_bytes
+    for doc in _documents(cfg):
+        if budget <= 0:
+            return
+        doc = doc[:budget]
+        budget -= len(doc.encode("utf-8", errors="replace"))
+        yield doc
+
+
+def _documents(cfg: DataSection) -> Iterator[str]:
+    if cfg.source == "stdlib":
+        for path in _stdlib_files():
+            yield path.read_text(encoding="utf-8", errors="replace")
+        return
+    src = Path(cfg.source)
+    fmt = cfg.format
+    if fmt == "auto":
+        saved = ("dataset_info.json", "state.json", "dataset_dict.json")
+        if src.is_dir() and any((src / name).exists() for name in saved):
+            fmt = "hf_disk"
+        elif src.suffix in (".jsonl", ".json"):
+            fmt = "jsonl"
+        else:
+            fmt = "text"
+    if not src.exists():
+        raise FileNotFoundError(f"data.source {cfg.source!r} does not exist")
+    if fmt == "hf_disk":
+        from datasets import load_from_disk  # only when asked for
+
+        ds = load_from_disk(str(src))
+        if hasattr(ds, "keys"):  # a DatasetDict: take the train split or the first one
+            ds = ds["train"] if "train" in ds else ds[next(iter(ds.keys()))]
+        for row in ds:
+            yield str(row[cfg.text_field])
+        return
+    files = sorted(p for p in src.rglob("*") if p.is_file()) if src.is_dir() else [src]
+    for path in files:
+        if fmt == "jsonl" or path.suffix == ".jsonl":
+            for line in path.read_text(encoding="utf-8").splitlines():
+                if line.strip():
+                    yield str(json.loads(line)[cfg.text_field])
+        else:
+            yield path.read_text(encoding="utf-8", errors="replace")
+
+
+def pack(cfg: DataSection, seq_length: int, tokenizer: Any) -> torch.Tensor:
+    """All documents tokenized, separated, and cut into rows: shape (rows, seq_length).
+    Tokens stay tensors throughout (no Python list of millions of ints)."""
+    sep = torch.tensor([tokenizer.separator], dtype=torch.long)
+    pieces: list[torch.Tensor] = []
+    for doc in iter_documents(cfg):
+        pieces += [tokenizer.encode(doc), sep]
+    ids = torch.cat(pieces) if pieces else sep[:0]
+    rows = len(ids) // seq_length
+    if rows == 0:
+        raise ValueError(f"data.source {cfg.source!r} holds {len(ids)} tokens, fewer than "
+                         f"one sequence of {seq_length}")
+    return ids[: rows * seq_length].view(rows, seq_length)
+
+
+class BatchStream:
+    """Global batches of rows in a seeded order; this rank takes its contiguous slice.
+
+    ``position`` counts samples consumed by the whole run; it is saved in checkpoints,
+    and a stream built with the same rows, seed and position continues exactly.
+    """
+
+    def __init__(self, rows: torch.Tensor, *, global_batch: int, rank: int, ranks: int,
+                 shuffle: bool = True, seed: int = 0, position: int = 0):
+        if global_batch % ranks:
+            raise ValueError(f"global batch {global_batch} does not split over {ranks} ranks")
+        if len(rows) < global_batch:
+            raise ValueError(f"only {len(rows)} sequences for a global batch of {global_batch}")
+        self.rows, self.global_batch = rows, global_batch
+        self.rank, self.ranks = rank, ranks
+        self.shuffle, self.seed, self.position = shuffle, seed, position
+        self._epoch, self._order = -1, torch.arange(0)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self.rows) // self.global_batch
+
+    def _order_for(self, epoch: int) -> torch.Tensor:
+        if epoch != self._epoch:
+            n = self.batches_per_epoch * self.global_batch
+            self._order = (torch.randperm(len(self.rows), generator=torch.Generator()
+                                          .manual_seed(self.seed + epoch))[:n]
+                           if self.shuffle else torch.arange(n))
+            self._epoch = epoch
+        return self._order
+
+    def next_batch(self) -> torch.Tensor:
+        """This rank's share of the next global batch: (global_batch / ranks, seq)."""
+        per_epoch = self.batches_per_epoch * self.global_batch
+        epoch, offset = divmod(self.position, per_epoch)
+        order = self._order_for(epoch)
+        per = self.global_batch // self.ranks
+        start = offset + self.rank * per
+        self.position += self.global_batch
+        return self.rows[order[start:start + per]]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position, self.seed = int(state["position"]), int(state["seed"])

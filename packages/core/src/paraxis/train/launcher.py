@@ -1,0 +1,114 @@
+"""``paraxis train`` outside torchrun: start the workers through torchrun's elastic agent,
+run in this process, so that this process holds the checkpoint directory's lock for the
+whole run and reports the outcome in a few lines.
+
+* One node: ``--standalone`` rendezvous on localhost.
+* Several: ``--nnodes N --node-rank R --rdzv-endpoint HOST:PORT`` pass through to
+  torchrun's c10d rendezvous; under SLURM they default to the job's node count, node id
+  and job id (``MASTER_ADDR``/``MASTER_PORT`` name the endpoint).
+* ``--max-restarts N``: when a worker dies the agent restarts every worker, and the run
+  resumes from the checkpoint directory's ``latest`` (the gap is at most
+  ``train.checkpoint_every`` steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from paraxis.config.errors import ConfigError, Problem
+from paraxis.train.lifecycle import LOCK_ENV, DirectoryLock
+
+__all__ = ["LaunchOptions", "add_launch_arguments", "run_workers", "torchrun_args"]
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "paraxis"
+    max_restarts: int = 0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace,
+                  env: dict[str, str] | None = None) -> LaunchOptions:
+        env = dict(os.environ if env is None else env)
+        nnodes, node_rank = args.nnodes, args.node_rank
+        endpoint, rdzv_id = args.rdzv_endpoint, env.get("SLURM_JOB_ID", "paraxis")
+        if nnodes is None and int(env.get("SLURM_JOB_NUM_NODES", "1")) > 1:
+            nnodes = int(env["SLURM_JOB_NUM_NODES"])
+            node_rank = int(env.get("SLURM_NODEID", "0")) if node_rank is None else node_rank
+            if endpoint is None and "MASTER_ADDR" in env:
+                endpoint = f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT', '29500')}"
+        nnodes, node_rank = nnodes or 1, node_rank or 0
+        if nnodes > 1 and not endpoint:
+            raise ConfigError([Problem(
+                "--rdzv-endpoint", None, f"is needed to rendezvous {nnodes} nodes",
+                "pass --rdzv-endpoint HOST:PORT (the same on every node), or set "
+                "MASTER_ADDR and MASTER_PORT")])
+        return cls(nnodes, node_rank, endpoint, rdzv_id, args.max_restarts)
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nnodes", type=int, default=None, help="nodes in the job")
+    parser.add_argument("--node-rank", type=int, default=None, help="this node's rank")
+    parser.add_argument("--rdzv-endpoint", default=None,
+                        help="HOST:PORT of the c10d rendezvous (several nodes)")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="restart every worker up to N times when one dies, "
+                        "resuming from the latest checkpoint")
+
+
+def torchrun_args(world_size: int, opts: LaunchOptions, argv: Sequence[str]) -> list[str]:
+    if world_size % opts.nnodes:
+        raise ConfigError([Problem("--nnodes", opts.nnodes,
+                                   f"must divide the world size {world_size}",
+                                   "use a node count that divides the degrees' product")])
+    where = (["--standalone"] if opts.nnodes == 1 else
+             [f"--nnodes={opts.nnodes}", f"--node-rank={opts.node_rank}",
+              "--rdzv-backend=c10d", f"--rdzv-endpoint={opts.rdzv_endpoint}",
+              f"--rdzv-id={opts.rdzv_id}"])
+    return [*where, f"--nproc-per-node={world_size // opts.nnodes}",
+            f"--max-restarts={opts.max_restarts}", "-m", "paraxis", *argv]
+
+
+def run_workers(world_size: int, opts: LaunchOptions, argv: Sequence[str],
+                checkpoint_dir: str | None) -> int:
+    """Run torchrun's agent here; return the job's exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    cpus = os.cpu_count() or 1
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cpus * opts.nnodes // world_size)))
+    os.environ["PARAXIS_COMMAND"] = shlex.join(["paraxis", *argv])
+    # torchrun shares its rendezvous store with the workers' process groups across
+    # restarts, so a restarted worker may read a peer's address from the previous
+    # attempt and fail to connect (pytorch/pytorch#135712; seen here on restart after a
+    # killed rank, in about half the runs). A store per attempt avoids it.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    lock = None
+    if checkpoint_dir and opts.node_rank == 0:  # one writer: the first node holds it
+        lock = DirectoryLock(checkpoint_dir).acquire()
+        os.environ[LOCK_ENV] = "1"
+    sys.stdout.flush()
+    try:
+        run(parse_args(torchrun_args(world_size, opts, argv)))
+        return 0
+    except ChildFailedError as exc:
+        for rank, failure in sorted(exc.failures.items()):
+            how = (f"signal {failure.signal_name()}" if failure.exitcode < 0
+                   else f"exit code {failure.exitcode}")
+            print(f"paraxis: rank {rank} failed ({how}); its traceback is above",
+                  file=sys.stderr)
+        return 1
+    except SignalException as exc:  # the workers were told and stopped at a step
+        return 128 + int(exc.sigval)
+    finally:
+        if lock is not None:
+            lock.release()

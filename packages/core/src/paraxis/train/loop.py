@@ -1,0 +1,160 @@
+"""The training loop behind ``paraxis train``: build, parallelize, feed, log, checkpoint.
+
+:func:`train` reads as its steps: :func:`start` (model, engine, data stream, resume),
+:func:`run_steps` (the loop with its logging and periodic checkpoints), :func:`finish`
+(last checkpoint, the axes' reports, the summary).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from paraxis.config.run import RunConfig
+from paraxis.engine.apply import parallelize
+from paraxis.engine.engine import Engine
+from paraxis.engine.plugins import make_plugin_manager
+from paraxis.parallel.summary import RunReport
+from paraxis.runtime.world import init_distributed
+from paraxis.train.build import build_model, model_spec
+from paraxis.train.data import BatchStream, load_tokenizer, pack
+from paraxis.train.lifecycle import StopRequest
+from paraxis.train.summary import console_line, progress, summarize, summary_table
+
+__all__ = ["Run", "finish", "run_steps", "start", "train"]
+
+
+@dataclass
+class Run:
+    """One ``paraxis train`` run on this rank, from :func:`start` to :func:`finish`."""
+
+    cfg: RunConfig
+    pm: Any  # the plugin manager
+    engine: Engine
+    stream: BatchStream
+    signals: StopRequest
+    history: list[dict[str, float]]
+    first_step: int  # the engine's step when this run started (after a resume)
+    done_before: int  # entries of ``history`` from before this run
+    started: float  # perf_counter at the first step
+
+    @property
+    def logging(self) -> bool:
+        grid = self.engine.grid
+        return grid.rank == grid.logging_rank
+
+
+def train(cfg: RunConfig, history: list[dict[str, float]] | None = None) -> dict[str, float]:
+    """Run ``cfg`` on the current world (under torchrun, or a world of one); return the
+    summary. Each step's metrics are appended to ``history`` when one is given."""
+    run = start(cfg, [] if history is None else history)
+    run_steps(run)
+    return finish(run)
+
+
+def start(cfg: RunConfig, history: list[dict[str, float]]) -> Run:
+    """Build the model (in a plugin's construction context, if one answers), parallelize
+    it, open the data stream at this rank's share and resume from the latest checkpoint."""
+    pm = make_plugin_manager()
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    init_distributed()  # a construction context may partition over the ranks
+    context = pm.hook.paraxis_model_context(config=cfg)
+    with context if context is not None else contextlib.nullcontext():
+        model = build_model(model_spec(cfg, tokenizer.vocab_size), pm, seed=cfg.train.seed)
+    # A model constructed partitioned cannot run whole on a rank: no parity probe.
+    engine = parallelize(model, config=cfg, train=cfg.train, plugin_manager=pm,
+                         verify=context is None)
+    signals = StopRequest().install()
+    engine.stop_request = signals
+    index, count = engine.grid.sample_shard()
+    stream = BatchStream(pack(cfg.data, cfg.train.seq_length, tokenizer),
+                         global_batch=cfg.train.global_batch, rank=index, ranks=count,
+                         shuffle=cfg.data.shuffle, seed=cfg.train.seed)
+    ckpt = cfg.train.checkpoint_dir
+    if ckpt and cfg.train.resume and (Path(ckpt) / "latest").exists():
+        engine.load(ckpt)
+        stream.load_state_dict(engine.data_state)
+    run = Run(cfg, pm, engine, stream, signals, history, engine.step, len(history),
+              time.perf_counter())
+    if run.logging:
+        pm.hook.paraxis_log_start(config=cfg, grid=engine.grid.describe())
+    return run
+
+
+def run_steps(run: Run) -> None:
+    """Train until ``train.steps`` (or ``exit_after_steps`` more, or a stop signal),
+    logging every ``log_every`` steps and checkpointing every ``checkpoint_every``."""
+    cfg, engine = run.cfg, run.engine
+    stop = cfg.train.steps
+    if cfg.train.exit_after_steps:
+        stop = min(stop, run.first_step + cfg.train.exit_after_steps)
+    with progress(run.logging and cfg.logging.progress, cfg.train.steps,
+                  run.first_step) as update:
+        while engine.step < stop:
+            batch = run.stream.next_batch()
+            engine.data_state = run.stream.state_dict()
+            metrics = engine.train_step(batch)
+            run.history.append(metrics)
+            last = engine.step == stop
+            if run.logging and (engine.step % cfg.train.log_every == 0 or last):
+                run.pm.hook.paraxis_log_metrics(step=engine.step, metrics=metrics)
+                if update is None:
+                    print(console_line(metrics, cfg.train.steps), flush=True)
+            if update is not None:
+                update(metrics)
+            if engine.stop_agreed:  # a signal reached some rank: every rank stops here
+                break
+            every = cfg.train.checkpoint_every
+            if every and engine.step % every == 0 and not last:
+                _save(run)
+
+
+def finish(run: Run) -> dict[str, float]:
+    """The last checkpoint, the axes' reports and traces, the summary; closes the engine."""
+    cfg, engine = run.cfg, run.engine
+    _save(run)
+    engine.wait_for_checkpoint()  # an async save is on disk before the run reports it
+    run.signals.uninstall()
+    if engine.stop_agreed and run.logging:
+        command = os.environ.get("PARAXIS_COMMAND", "the same command")
+        where = (f"checkpoint {cfg.train.checkpoint_dir}/step-{engine.step:08d} written; "
+                 f"resume with: {command}" if cfg.train.checkpoint_dir else
+                 "no checkpoint written (train.checkpoint_dir is not set)")
+        print(f"stopped by a signal after step {engine.step}: {where}", flush=True)
+    mine = run.history[run.done_before:]
+    # Collective in some plugins (the pipeline's timeline): every rank asks.
+    reports: list[RunReport] = run.pm.hook.paraxis_summarize_run(ctx=engine.ctx, history=mine)
+    if cfg.train.trace_dir:
+        engine.tracer.export(Path(cfg.train.trace_dir) / f"rank{engine.grid.rank:05d}.trace.json")
+    summary = summarize(mine, time.perf_counter() - run.started, engine.step - run.first_step)
+    for report in reports:
+        summary.update(report.values)
+    if run.logging:
+        _show_reports(run, reports)
+        run.pm.hook.paraxis_log_end(summary=summary)
+        summary_table(summary, [row for report in reports for row in report.rows])
+    engine.close()
+    return summary
+
+
+def _show_reports(run: Run, reports: list[RunReport]) -> None:
+    """Print the axes' lines; write their figures beside the traces (or checkpoints) and
+    hand them to the logging plugins."""
+    where = run.cfg.train.trace_dir or run.cfg.train.checkpoint_dir
+    for report in reports:
+        for line in report.text:
+            print(line, flush=True)
+        for name, svg in report.figures:
+            if where:
+                Path(where).mkdir(parents=True, exist_ok=True)
+                (Path(where) / f"{name.replace('_', '-')}.svg").write_text(svg)
+            run.pm.hook.paraxis_log_figure(name=name, svg=svg, step=run.engine.step)
+
+
+def _save(run: Run) -> None:
+    if run.cfg.train.checkpoint_dir:
+        run.engine.save(run.cfg.train.checkpoint_dir)
