@@ -32,11 +32,11 @@ def add_show_deepspeed(subparsers: Any) -> None:
 
 def _show(args: argparse.Namespace) -> int:
     from paraxis.config.run import RunConfig
-    from paraxis.config.shape import ModelShape
+    from paraxis.config.shape import ModelShape, config_size
     from paraxis_deepspeed.translate import deepspeed_config
 
     config = RunConfig.load(args.config, args.overrides)
-    hidden = config.model.config.get("hidden_size") or config.model.config.get("n_embd")
+    hidden = config_size(config.model.config, "hidden_size")
     if args.model:
         hidden = ModelShape.from_file(args.model).hidden_size
     if not config.parallelism.offload.enabled:

@@ -38,11 +38,12 @@ def partitioned_construction(config: Any) -> contextlib.AbstractContextManager[A
 def _zero_init(config: Any) -> Iterator[None]:
     import deepspeed
 
+    from paraxis.config.shape import config_size
     from paraxis_deepspeed.ops import extension_cache, skip_inference_comm_op
     from paraxis_deepspeed.translate import deepspeed_config
 
     extension_cache()
-    hidden = config.model.config.get("hidden_size") or config.model.config.get("n_embd")
+    hidden = config_size(config.model.config, "hidden_size")
     ds_config = deepspeed_config(config, config.train, hidden_size=hidden)
     # DeepSpeed's communication layer over the already joined default group; without it
     # zero.Init would read its config for a world of one.

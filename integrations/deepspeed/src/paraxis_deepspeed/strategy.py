@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from paraxis.config.shape import config_size
 from paraxis.parallel.placement import placement_of, set_placement
 from paraxis.parallel.strategy import ApplyContext, Phase, Strategy, SyncOrder
 from paraxis.runtime.collectives import all_reduce_
@@ -138,12 +139,8 @@ def _fix_partitioned_records(model: nn.Module) -> None:
 
 
 def _hidden_size(module: nn.Module) -> int | None:
-    cfg = getattr(module, "config", None)
-    for name in ("hidden_size", "n_embd", "d_model"):
-        value = getattr(cfg, name, None)
-        if isinstance(value, int):
-            return value
-    return None
+    value = config_size(getattr(module, "config", None), "hidden_size")
+    return value if isinstance(value, int) else None
 
 
 def _adamw_groups(module: nn.Module, weight_decay: float, lr: float,

@@ -15,6 +15,7 @@ import dataclasses
 
 from torch import nn
 
+from paraxis.config.shape import config_size
 from paraxis.parallel.model_plan import ModelPlan, PlanError
 from paraxis.parallel.numerics import REDUCTION_RTOL
 from paraxis.parallel.placement import placement_of, set_placement
@@ -35,20 +36,17 @@ from paraxis_pp.tied import TiedGradSync
 __all__ = ["PipelineStrategy", "stage_ranges"]
 
 
-def _config_value(model: nn.Module, *names: str) -> int:
-    cfg = getattr(model, "config", None)
-    for name in names:
-        value = getattr(cfg, name, None)
-        if isinstance(value, int):
-            return value
-    return 0
+def _config_value(model: nn.Module, size: str) -> int:
+    """A size from the model's config, in any Hugging Face spelling; 0 when absent."""
+    value = config_size(getattr(model, "config", None), size)
+    return value if isinstance(value, int) else 0
 
 
 def stage_ranges(model: nn.Module, num_layers: int, stages: int,
                  points: list[int] | None) -> list[tuple[int, int]]:
     if points:
         return ranges_from_points(num_layers, points)
-    hidden = _config_value(model, "hidden_size", "n_embd", "d_model")
+    hidden = _config_value(model, "hidden_size")
     vocab = _config_value(model, "vocab_size")
     head = vocab / (12 * hidden) if hidden else 0.0  # 2hV vs 24h^2 FLOPs per token
     return balanced_split(num_layers, stages, first_extra=0.1 * head, last_extra=head)
@@ -95,7 +93,7 @@ class PipelineStrategy(Strategy):
             ctx.grad_syncs.append(TiedGradSync(chunks, ctx.grid.embedding))
         ctx.pipeline = PipelineLayout(tuple(mine), tuple(ranges))
         runner = PipelineRunner(chunks, schedule, group, ctx, forward_kwargs,
-                                hidden=_config_value(model, "hidden_size", "n_embd", "d_model"))
+                                hidden=_config_value(model, "hidden_size"))
         ctx.forward_backward = runner
         ctx.extras["pipeline"] = runner
         return chunks[0] if len(chunks) == 1 else PipelineChunks(chunks)
