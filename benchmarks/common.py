@@ -1,4 +1,13 @@
-"""Shared helpers for paired benchmarks: timing, medians, and the RESULTS.md writer."""
+"""Shared helpers for paired benchmarks: timing, rounds of alternating steps, the verdict
+rule against a target, and the RESULTS.md writer.
+
+The rule (stated once, in RESULTS.md's header too): a paired benchmark runs ``--rounds``
+rounds (5 by default), each a block of ``--steps`` alternating measured steps; a round's
+ratio is the ratio of that round's medians. Reported: the median of the per-round ratios
+and their spread [min-max]. Against a target the verdict is "met" only when the whole
+spread is on the right side of it, "not met" when the whole spread is on the wrong
+side, and "inside the noise" otherwise.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +19,9 @@ import re
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -32,17 +43,25 @@ def timed_step(step: Callable[[], float | None]) -> tuple[float, float]:
     return time.perf_counter() - start, blocked
 
 
+def round_args(p: argparse.ArgumentParser, *, steps: int, warmup: int) -> None:
+    """The arguments of every paired benchmark (``nox -s bench`` passes the same ones to
+    all of them): rounds, measured steps per round, warm-up steps, --no-write."""
+    p.add_argument("--rounds", type=int, default=5, help="rounds (a ratio each)")
+    p.add_argument("--steps", type=int, default=steps,
+                   help="measured alternating steps per round")
+    p.add_argument("--warmup", type=int, default=warmup, help="unmeasured steps first")
+    p.add_argument("--no-write", action="store_true", help="do not update RESULTS.md")
+
+
 def llama_parser(doc: str, *, steps: int, warmup: int, layers: int,
                  batch: int) -> argparse.ArgumentParser:
     """The arguments every paired Llama benchmark takes, with its own defaults."""
     p = argparse.ArgumentParser(description=doc.split("\n")[0])
-    p.add_argument("--steps", type=int, default=steps)
-    p.add_argument("--warmup", type=int, default=warmup)
+    round_args(p, steps=steps, warmup=warmup)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=layers)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=batch)
-    p.add_argument("--no-write", action="store_true", help="do not update RESULTS.md")
     return p
 
 
@@ -75,6 +94,75 @@ def alternate(variants: dict[str, Callable[[], float | None]], *, steps: int,
                 walls[name].append(wall)
                 blocked[name].append(wait)
     return walls, blocked
+
+
+@dataclass
+class Rounds:
+    """Measured steps of an alternation, cut into rounds of ``per_round`` steps."""
+
+    walls: dict[str, list[float]]
+    blocked: dict[str, list[float]]
+    per_round: int
+
+    def _cut(self, xs: list[float]) -> list[list[float]]:
+        return [xs[i:i + self.per_round] for i in range(0, len(xs), self.per_round)]
+
+    def medians(self, name: str) -> list[float]:
+        """The median step time of ``name`` in each round."""
+        return [median(r) for r in self._cut(self.walls[name])]
+
+    def median(self, name: str) -> float:
+        """The median over every measured step of ``name`` (for the tables)."""
+        return median(self.walls[name])
+
+    def ratios(self, num: str, den: str) -> list[float]:
+        """Per round, the ratio of the two variants' median step times."""
+        return [a / b for a, b in zip(self.medians(num), self.medians(den), strict=True)]
+
+
+def rounds(variants: dict[str, Callable[[], float | None]], *, rounds: int = 5,
+           steps_per_round: int, warmup: int) -> Rounds:
+    """Warm up, then ``rounds`` blocks of ``steps_per_round`` alternating steps: one
+    continuous :func:`alternate` (its rotation of who goes first runs on across rounds),
+    cut into rounds afterwards."""
+    if rounds < 1 or steps_per_round < 1:
+        raise ValueError(f"rounds={rounds}, steps_per_round={steps_per_round}: both must "
+                         "be at least 1")
+    walls, blocked = alternate(variants, steps=rounds * steps_per_round, warmup=warmup)
+    return Rounds(walls, blocked, steps_per_round)
+
+
+Better = Literal["lower", "higher"]
+
+
+def verdict(ratios: list[float], target: float | None, better: Better = "lower") -> str:
+    """"met" when the whole spread of per-round ratios is on the right side of
+    ``target`` (every ratio <= it for ``better="lower"``), "not met" when the whole
+    spread is on the wrong side, else "inside the noise"."""
+    if target is None:
+        return "no target stated"
+    lo, hi = min(ratios), max(ratios)
+    good, bad = (hi <= target, lo > target) if better == "lower" else (lo >= target,
+                                                                         hi < target)
+    return "met" if good else "not met" if bad else "inside the noise"
+
+
+def summary(ratios: list[float], target: float | None, better: Better = "lower") -> dict:
+    """What a section and its JSON report about one ratio."""
+    return {"median": median(ratios), "min": min(ratios), "max": max(ratios),
+            "per_round": ratios, "target": target, "better": better,
+            "verdict": verdict(ratios, target, better)}
+
+
+def ratio_line(label: str, s: dict, *, bold: bool = True) -> str:
+    """The line of a section (and the last line printed): median ratio, spread [min-max]
+    over the rounds, target and verdict."""
+    b = "**" if bold else ""
+    sign = "<=" if s["better"] == "lower" else ">="
+    judged = (f"target {sign} {s['target']}: {b}{s['verdict']}{b}"
+              if s["target"] is not None else s["verdict"])
+    return (f"{b}{label}: {s['median']:.3f}{b} [{s['min']:.3f}–{s['max']:.3f}] over "
+            f"{len(s['per_round'])} rounds; {judged}")
 
 
 def median(xs: list[float]) -> float:

@@ -14,8 +14,9 @@ same sequence-sharded q, k, v ``(b, s/C, H, d)`` (GQA) and the same output gradi
   (``torch.distributed.tensor.experimental``), where that runs; on CPU it does not (the
   reason is printed and written, from the attempt itself).
 
-Variants alternate step by step (``common.alternate``); the last line printed is the
-median step-time ratio paraxis Ulysses / DeepSpeed (target <= 1.0).
+Variants alternate step by step in rounds (``common.rounds``); the last line printed is
+the ratio paraxis Ulysses / DeepSpeed (median of per-round ratios of median step times,
+spread, verdict against the target <= 1.0).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import alternate, machine, median, write_section
+from common import machine, ratio_line, round_args, rounds, summary, write_section
 
 from paraxis.runtime.grid import Grid
 from paraxis_seq import ring_attention, shard, ulysses_attention
@@ -42,10 +43,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--steps", type=int, default=11)
-    p.add_argument("--warmup", type=int, default=1)
+    round_args(p, steps=2, warmup=1)
     p.add_argument("--no-ring", action="store_true", help="skip paraxis ring")
-    p.add_argument("--no-write", action="store_true", help="do not update RESULTS.md")
     return p.parse_args()
 
 
@@ -136,37 +135,30 @@ def main() -> None:
     if not args.no_ring:
         variants["paraxis ring (zigzag)"] = lambda: fwd_bwd(ring, zig)
     mark = grid.comm.mark()
-    walls, _ = alternate(variants, steps=args.steps, warmup=args.warmup)
-    rounds = args.steps + args.warmup
-    sent = {k[1]: v / rounds for k, v in grid.comm.since(mark)["bytes"].items()}
-    exchange, _ = alternate({
+    run = rounds(variants, rounds=args.rounds, steps_per_round=args.steps,
+                 warmup=args.warmup)
+    steps = args.rounds * args.steps + args.warmup
+    sent = {k[1]: v / steps for k, v in grid.comm.since(mark)["bytes"].items()}
+    exchange = rounds({
         "paraxis Ulysses": lambda: fwd_bwd(
             lambda q, k, v: ulysses(q, k, v, attention=exchange_only), contiguous),
         "DeepSpeed DistributedAttention": lambda: fwd_bwd(ds_exchange, contiguous),
-    }, steps=5 * args.steps, warmup=args.warmup)
+    }, rounds=args.rounds, steps_per_round=5 * args.steps, warmup=args.warmup)
     torch_cp = try_torch_context_parallel(args)
-    med = {name: median(times) for name, times in walls.items()}
-    ratio = med["paraxis Ulysses"] / med["DeepSpeed DistributedAttention"]
+    ratio = summary(run.ratios("paraxis Ulysses", "DeepSpeed DistributedAttention"), 1.0)
     if group.rank == 0:
-        report(args, size, (walls, exchange), ratio, sent, torch_cp)
+        report(args, size, (run, exchange), ratio, sent, torch_cp)
     grid.destroy()
     dist.destroy_process_group()
 
 
-def _paired(walls: dict[str, list[float]]) -> float:
-    """Median of per-round ratios: each round runs both back to back, which cancels
-    slow drift of the machine's load."""
-    return median([p / q for p, q in zip(walls["paraxis Ulysses"],
-                                          walls["DeepSpeed DistributedAttention"],
-                                          strict=True)])
-
-
-def report(args: argparse.Namespace, size: int, runs: tuple[dict, dict], ratio: float,
+def report(args: argparse.Namespace, size: int, runs: tuple, ratio: dict,
            sent: dict[str, float], torch_cp: dict[str, str | None]) -> None:
-    walls, exchange = runs
-    med = {name: median(times) for name, times in walls.items()}
-    ex = {name: median(times) for name, times in exchange.items()}
-    ex_ratio = ex["paraxis Ulysses"] / ex["DeepSpeed DistributedAttention"]
+    run, exchange = runs
+    med = {name: run.median(name) for name in run.walls}
+    ex = {name: exchange.median(name) for name in exchange.walls}
+    ex_ratio = summary(exchange.ratios("paraxis Ulysses", "DeepSpeed DistributedAttention"),
+                       None)
     b, s, d = args.batch, args.seq, args.head_dim
     h, hk = args.heads, args.kv_heads
     # Ulysses: q, k, v and out each way, (C-1)/C of each local tensor leaves the rank.
@@ -183,7 +175,8 @@ def report(args: argparse.Namespace, size: int, runs: tuple[dict, dict], ratio: 
 
 `torchrun --nproc-per-node 2 benchmarks/cp_vs_peer.py` (one attention layer forward +
 backward, causal, b={b}, s={s}, {h} heads / {hk} kv heads, head dim {d}, fp32, context={size},
-gloo; {machine()}; median of {args.steps} alternating steps after {args.warmup} warm-up)
+gloo; {machine()}; {args.rounds} rounds of {args.steps} alternating steps after
+{args.warmup} warm-up)
 
 | variant | median step (ms) |
 | --- | ---: |
@@ -199,29 +192,30 @@ covers the CUDA flash, efficient and cuDNN SDPA kernels; on CPU SDPA runs
 `_scaled_dot_product_flash_attention_for_cpu`, which it does not cover, so paraxis ring
 (whose blocks run that same CPU kernel) has no peer on this machine.
 
-Median of the per-round ratios (each round runs both back to back): {_paired(walls):.3f}.
-The machine is shared (load average {os.getloadavg()[0]:.1f} at the end): single steps
-vary by tens of percent, so a few percent either way is within noise. Both run the
+The machine is shared (load average {os.getloadavg()[0]:.1f} at the end). Both run the
 same SDPA kernel on the same shapes, which is nearly all of a step. What differs is the
 exchange and the layout work around it; with the local attention replaced by an
-elementwise stand-in (median of {5 * args.steps} alternating steps): paraxis
+elementwise stand-in ({args.rounds} rounds of {5 * args.steps} alternating steps): paraxis
 {ex['paraxis Ulysses'] * 1e3:.1f} ms, DeepSpeed {ex['DeepSpeed DistributedAttention'] * 1e3:.1f} ms,
-ratio {ex_ratio:.3f} (per-round {_paired(exchange):.3f}).
+{ratio_line("ratio (exchange only)", ex_ratio, bold=False)}.
 
-**Ratio paraxis Ulysses / DeepSpeed (median step time): {ratio:.3f}** (target <= 1.0)"""
+{ratio_line("Ratio paraxis Ulysses / DeepSpeed (median step time)", ratio)}"""
     if not args.no_write:
         write_section("cp_vs_peer", table, {"median_step_s": med, "ratio": ratio,
-                                            "step_s": walls, "exchange_step_s": exchange,
+                                            "exchange_ratio": ex_ratio,
+                                            "step_s": run.walls,
+                                            "exchange_step_s": exchange.walls,
                                             "bytes_per_step": sent, "torch_cp": torch_cp,
                                             "args": vars(args)})
     for name, t in med.items():
         print(f"{name}: {t * 1e3:.1f} ms (steps: "
-              f"{', '.join(f'{w * 1e3:.0f}' for w in walls[name])})")
+              f"{', '.join(f'{w * 1e3:.0f}' for w in run.walls[name])})")
     print(f"torch context_parallel: {torch_cp}")
     print(f"exchange only: paraxis {ex['paraxis Ulysses'] * 1e3:.1f} ms, DeepSpeed "
-          f"{ex['DeepSpeed DistributedAttention'] * 1e3:.1f} ms, ratio {ex_ratio:.3f}")
-    print(f"median of per-round ratios paraxis Ulysses / DeepSpeed: {_paired(walls):.3f}")
-    print(f"ratio paraxis Ulysses / DeepSpeed (median step time): {ratio:.3f}")
+          f"{ex['DeepSpeed DistributedAttention'] * 1e3:.1f} ms, "
+          + ratio_line("ratio", ex_ratio, bold=False))
+    print(ratio_line("ratio paraxis Ulysses / DeepSpeed (median step time)", ratio,
+                     bold=False))
 
 
 if __name__ == "__main__":

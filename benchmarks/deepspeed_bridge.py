@@ -9,8 +9,9 @@ bridge's step is ``Engine.train_step`` (batch preparation, the global token coun
 microbatching through ``ctx.backward``, DeepSpeed's step, the schedule, the metrics
 gather and DeepSpeed's resident-bytes accounting); the direct step is the loop a
 DeepSpeed user writes (``engine(x)``, ``engine.backward``, ``engine.step`` per
-microbatch). The last line printed is the bridge overhead ratio (median step time,
-bridge / direct); the target is <= 1.02.
+microbatch). The last line printed is the bridge overhead ratio bridge / direct (median
+of per-round ratios of median step times, spread, verdict against the target <= 1.02;
+:mod:`common`).
 
 TODO(zero-shard): paraxis zero-shard against DeepSpeed at the same stage without offload
 (issue 13) joins this script when paraxis-zero-shard is on main.
@@ -23,7 +24,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from common import alternate, machine, median, write_section
+from common import machine, ratio_line, round_args, rounds, summary, write_section
 
 import paraxis
 from paraxis.models.tiny import TinyConfig, TinyTransformer
@@ -31,15 +32,13 @@ from paraxis.models.tiny import TinyConfig, TinyTransformer
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
+    round_args(p, steps=4, warmup=3)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=4, help="per-rank batch")
     p.add_argument("--microbatches", type=int, default=2)
     p.add_argument("--zero", type=int, default=3)
-    p.add_argument("--no-write", action="store_true", help="do not update RESULTS.md")
     return p.parse_args()
 
 
@@ -84,17 +83,18 @@ def main() -> None:
             direct.step()
 
     variants = {"bridge": bridge_step, "direct": direct_step}
-    times, _ = alternate(variants, steps=args.steps, warmup=args.warmup)
-    med = {k: median(v) for k, v in times.items()}
-    ratio = med["bridge"] / med["direct"]
+    run = rounds(variants, rounds=args.rounds, steps_per_round=args.steps,
+                 warmup=args.warmup)
     if rank == 0:
-        report(args, world, n_params, med, ratio, ds_config)
+        report(args, world, n_params, run, ds_config)
     bridge.close()
     direct.destroy()
     paraxis.shutdown()
 
 
-def report(args, world, n_params, med, ratio, ds_config) -> None:
+def report(args, world, n_params, run, ds_config) -> None:
+    med = {k: run.median(k) for k in run.walls}
+    ratio = summary(run.ratios("bridge", "direct"), 1.02)
     zero = ds_config["zero_optimization"]
     where = ", ".join(f"{k.removeprefix('offload_')} -> {v['device']}"
                       for k, v in zero.items() if k.startswith("offload_"))
@@ -105,16 +105,15 @@ def report(args, world, n_params, med, ratio, ds_config) -> None:
         f"({n_params / 1e6:.2f}M parameters, tiny model hidden {args.hidden}, "
         f"{args.layers} layers, seq {args.seq}, batch {args.batch}/rank in "
         f"{args.microbatches} microbatches; ZeRO-{args.zero}, {where}; DeepSpeed's CPU Adam; "
-        f"gloo; {machine()}; median of {args.steps} alternating steps; both sides use the "
-        "same generated DeepSpeed config)",
+        f"gloo; {machine()}; {args.rounds} rounds of {args.steps} alternating steps after "
+        f"{args.warmup} warm-up; both sides use the same generated DeepSpeed config)",
         "",
         "| variant | median step (ms) |",
         "| --- | ---: |",
         f"| paraxis Engine.train_step through the bridge | {med['bridge'] * 1e3:.1f} |",
         f"| DeepSpeed engine driven directly | {med['direct'] * 1e3:.1f} |",
         "",
-        f"**Bridge overhead ratio (median step time, bridge / direct): {ratio:.3f}** "
-        "(target <= 1.02)",
+        ratio_line("Bridge overhead ratio (median step time, bridge / direct)", ratio),
         "",
         "paraxis zero-shard against DeepSpeed at the same stage without offload: TODO, "
         "when paraxis-zero-shard lands (issue 10).",
@@ -123,11 +122,13 @@ def report(args, world, n_params, med, ratio, ds_config) -> None:
         write_section("deepspeed_bridge", table, {
             "args": vars(args), "world": world, "params": n_params, "machine": machine(),
             "median_step_s": med, "ratio_bridge_over_direct": ratio,
+            "round_medians_s": {k: run.medians(k) for k in run.walls},
             "deepspeed_config": ds_config})
     for name, t in med.items():
         print(f"{name:>7}: median step {t * 1e3:8.2f} ms")
     print("zero-shard vs DeepSpeed (no offload): TODO until paraxis-zero-shard lands")
-    print(f"bridge overhead ratio (median step time, bridge/direct): {ratio:.3f}")
+    print(ratio_line("bridge overhead ratio (median step time, bridge/direct)", ratio,
+                     bold=False))
 
 
 if __name__ == "__main__":

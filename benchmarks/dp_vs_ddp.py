@@ -7,7 +7,9 @@ order rotating every iteration so neither side always runs first: paraxis
 ``DataParallel``, torch DDP with the same bucket size, and a compute-only copy that never
 synchronizes. Exposed communication of each = its median step time minus the
 compute-only median (DESIGN section 7); for paraxis the time blocked in ``finish()`` is
-also reported. The last line printed is the median step-time ratio paraxis / DDP.
+also reported. The last line printed is the ratio paraxis / DDP: the median of per-round
+ratios of median step times, its spread over the rounds and the verdict against the
+target (:mod:`common`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from common import alternate, machine, median, write_section
+from common import machine, median, ratio_line, round_args, rounds, summary, write_section
 from torch.nn.parallel import DistributedDataParallel
 
 from paraxis import Grid, ParallelConfig, apply_parallelism, make_plugin_manager, shutdown
@@ -26,14 +28,12 @@ from paraxis.testing.models import TinyConfig, TinyTransformer, causal_lm_loss
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--warmup", type=int, default=5)
+    round_args(p, steps=8, warmup=5)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=4, help="per-rank batch")
     p.add_argument("--bucket-mb", type=float, default=25.0)
-    p.add_argument("--no-write", action="store_true", help="do not update RESULTS.md")
     return p.parse_args()
 
 
@@ -75,15 +75,17 @@ def main() -> None:
         "compute_only": stepper(local, lambda: None),
     }
     names = list(variants)
-    times, blocked = alternate(variants, steps=args.steps, warmup=args.warmup)
-
-    med = {k: median(v) for k, v in times.items()}
-    ratio = med["paraxis"] / med["ddp"]
+    run = rounds(variants, rounds=args.rounds, steps_per_round=args.steps,
+                 warmup=args.warmup)
+    med = {k: run.median(k) for k in names}
+    blocked = run.blocked
+    ratio = summary(run.ratios("paraxis", "ddp"), 1.05)
     exposed = {k: med[k] - med["compute_only"] for k in ("paraxis", "ddp")}
     if rank == 0:
         payload = {"args": vars(args), "world": world, "params": n_params, "machine": machine(),
                    "median_step_s": med, "exposed_comm_s": exposed,
                    "paraxis_blocked_in_finish_s": median(blocked["paraxis"]),
+                   "round_medians_s": {k: run.medians(k) for k in names},
                    "ratio_paraxis_over_ddp": ratio}
         table = "\n".join([
             "## Data parallel: paraxis vs torch DDP",
@@ -91,7 +93,8 @@ def main() -> None:
             f"`torchrun --nproc-per-node {world} benchmarks/dp_vs_ddp.py` "
             f"({n_params / 1e6:.2f}M parameters, hidden {args.hidden}, {args.layers} layers, "
             f"seq {args.seq}, batch {args.batch}/rank, bucket {args.bucket_mb} MiB, gloo; "
-            f"{machine()}; median of {args.steps} alternating steps)",
+            f"{machine()}; {args.rounds} rounds of {args.steps} alternating steps after "
+            f"{args.warmup} warm-up)",
             "",
             "| variant | median step (ms) | exposed comm (ms) |",
             "| --- | ---: | ---: |",
@@ -101,7 +104,7 @@ def main() -> None:
             f"| torch DDP | {med['ddp'] * 1e3:.1f} | {exposed['ddp'] * 1e3:.1f} |",
             f"| compute only (no sync) | {med['compute_only'] * 1e3:.1f} | 0 |",
             "",
-            f"**Ratio paraxis / DDP (median step time): {ratio:.3f}** (target <= 1.05)",
+            ratio_line("Ratio paraxis / DDP (median step time)", ratio),
         ])
         if not args.no_write:
             write_section("dp_vs_ddp", table, payload)
@@ -109,7 +112,7 @@ def main() -> None:
             print(f"{name:>13}: median step {med[name] * 1e3:8.2f} ms")
         for name in ("paraxis", "ddp"):
             print(f"{name:>13}: exposed comm {exposed[name] * 1e3:8.2f} ms")
-        print(f"ratio paraxis/ddp (median step time): {ratio:.3f}")
+        print(ratio_line("ratio paraxis/ddp (median step time)", ratio, bold=False))
     del ours, ddp, local, ctx, variants
     shutdown(grid)
 

@@ -9,8 +9,9 @@ expert shards and the ``ep_dispatch_experts`` all-to-all, what
 ``DistributedConfig(ep_size=N)`` installs; it runs on CPU with gloo, so DeepSpeed's MoE
 layer is not needed). Both steps do forward with the load-balancing loss, backward, the
 gradient average of dense parameters over the ranks (expert gradients scaled to the
-one-process mean), global-norm clipping and AdamW; they alternate, and the last line is
-the median step-time ratio paraxis / transformers.
+one-process mean), global-norm clipping and AdamW; they alternate in rounds, and the
+last line is the ratio paraxis / transformers (median of per-round ratios, spread,
+verdict against the target; :mod:`common`).
 
 Dispatch bytes per rank per step (paraxis's ``moe/dispatch_bytes``: the busiest rank per
 layer, summed over layers) are compared with 2·T·k·h·(N-1)/N elements per all-to-all
@@ -28,7 +29,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from common import alternate, machine, median, write_section
+from common import machine, median, ratio_line, round_args, rounds, summary, write_section
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -38,15 +39,13 @@ from paraxis import shutdown
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--warmup", type=int, default=5)
+    round_args(p, steps=8, warmup=5)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--experts", type=int, default=4)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=4, help="sequences per rank")
-    p.add_argument("--no-write", action="store_true", help="do not update RESULTS.md")
     return p.parse_args()
 
 
@@ -126,29 +125,31 @@ def main() -> None:
 
     variants = {"paraxis": paraxis_step,
                 "transformers": lambda: peer_step(*peer, batch(), world)}
-    times, _ = alternate(variants, steps=args.steps, warmup=args.warmup)
-    med = {k: median(v) for k, v in times.items()}
+    run = rounds(variants, rounds=args.rounds, steps_per_round=args.steps,
+                 warmup=args.warmup)
     measured = [m["moe/dispatch_bytes"] for m in seen[args.warmup:]]
     on_wire = [m.get("comm/expert_bytes", 0.0) for m in seen[args.warmup:]]
     tokens = args.batch * args.seq
     pair = 2 * tokens * args.top_k * args.hidden * (world - 1) / world * 4
     theory = pair * args.layers * 2
     if dist.get_rank() == 0:
-        report(args, world, med, median(measured), median(on_wire), pair, theory)
+        report(args, world, run, median(measured), median(on_wire), pair, theory)
     engine.close()
     shutdown()
 
 
-def report(args, world, med, measured, on_wire, pair, theory) -> None:
-    ratio = med["paraxis"] / med["transformers"]
+def report(args, world, run, measured, on_wire, pair, theory) -> None:
+    med = {k: run.median(k) for k in run.walls}
+    ratio = summary(run.ratios("paraxis", "transformers"), 1.0)
     table = "\n".join([
         "## Expert parallel: paraxis vs transformers' expert-parallel plan",
         "",
         f"`torchrun --nproc-per-node {world} benchmarks/moe_vs_peer.py` (Mixtral from config: "
         f"hidden {args.hidden}, {args.layers} layers, {args.experts} experts, top-{args.top_k}, "
         f"vocab 256, seq {args.seq}, batch {args.batch} per rank; expert={world}, gloo; "
-        f"{machine()}; median of {args.steps} alternating steps; both: forward with the "
-        "load-balancing loss, backward, dense-gradient average, clip, AdamW)",
+        f"{machine()}; {args.rounds} rounds of {args.steps} alternating steps after "
+        f"{args.warmup} warm-up; both: forward with the load-balancing loss, backward, "
+        "dense-gradient average, clip, AdamW)",
         "",
         "| variant | median step (ms) |",
         "| --- | ---: |",
@@ -164,12 +165,12 @@ def report(args, world, med, measured, on_wire, pair, theory) -> None:
         f"busiest rank). All expert-axis traffic incl. the split-size exchange: "
         f"{on_wire / 2**20:.3f} MiB.",
         "",
-        f"**Ratio paraxis / transformers (median step time): {ratio:.3f}** (target <= 1.0; "
-        "on a shared 2-core machine repeated runs scatter by about ±10%: the step is short "
-        "and both sides wait on each other's rank)",
+        ratio_line("Ratio paraxis / transformers (median step time)", ratio),
     ])
     if not args.no_write:
         write_section("moe_vs_peer", table, {"median_step_s": med, "ratio": ratio,
+                                             "round_medians_s": {
+                                                 k: run.medians(k) for k in run.walls},
                                              "dispatch_bytes_per_step": measured,
                                              "expert_axis_bytes_per_step": on_wire,
                                              "theory_bytes_per_step": theory,
@@ -179,7 +180,7 @@ def report(args, world, med, measured, on_wire, pair, theory) -> None:
     print(f"dispatch bytes/step/rank: measured {measured / 2**20:.3f} MiB, "
           f"2*T*k*h*(N-1)/N*4B = {pair / 2**20:.3f} MiB per pair, x2x{args.layers} = "
           f"{theory / 2**20:.3f} MiB")
-    print(f"ratio paraxis/transformers (median step time): {ratio:.3f}")
+    print(ratio_line("ratio paraxis/transformers (median step time)", ratio, bold=False))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ The same Llama (built from config) is cut into the same two stages for both (par
 balanced split; torch gets those very stage modules), with the same microbatches.
 Both steps: every microbatch forward and backward under the 1F1B order, global-norm
 clipping across stages, then AdamW.
-They alternate; the median step-time ratio paraxis / torch is printed last.
+They alternate in rounds; the last line printed is the ratio paraxis / torch (median of
+per-round ratios, spread, verdict against the target; :mod:`common`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,16 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import alternate, build_llama, llama_parser, machine, median, write_section
+from common import (
+    build_llama,
+    llama_parser,
+    machine,
+    median,
+    ratio_line,
+    rounds,
+    summary,
+    write_section,
+)
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 import paraxis
@@ -27,7 +37,7 @@ from paraxis_pp.simulate import theoretical_bubble
 
 
 def parse() -> argparse.Namespace:
-    p = llama_parser(__doc__, steps=20, warmup=3, layers=8, batch=16)
+    p = llama_parser(__doc__, steps=6, warmup=3, layers=8, batch=16)
     p.add_argument("--microbatches", type=int, default=8)
     return p.parse_args()
 
@@ -93,11 +103,11 @@ def main() -> None:
         theirs_opt.step()
 
     variants = {"paraxis": paraxis_step, "torch": torch_step}
-    times, _ = alternate(variants, steps=args.steps, warmup=args.warmup)
-    med = {k: median(v) for k, v in times.items()}
+    run = rounds(variants, rounds=args.rounds, steps_per_round=args.steps,
+                 warmup=args.warmup)
     bubbles = measure_bubbles(args, ours)
     if rank == 0:
-        report(args, world, med, bubbles)
+        report(args, world, run, bubbles)
     ours.close()
     shutdown()
 
@@ -119,24 +129,25 @@ def measure_bubbles(args, ours) -> list[tuple[str, float, float]]:
     return out
 
 
-def report(args, world, med, bubbles) -> None:
-    ratio = med["paraxis"] / med["torch"]
+def report(args, world, run, bubbles) -> None:
+    med = {k: run.median(k) for k in run.walls}
+    ratio = summary(run.ratios("paraxis", "torch"), 1.0)
     rows = "\n".join(f"| {n} | {m:.3f} | {t:.3f} |" for n, m, t in bubbles)
     table = "\n".join([
         "## Pipeline parallel: paraxis 1F1B vs torch.distributed.pipelining",
         "",
         f"`torchrun --nproc-per-node {world} benchmarks/pp_vs_torch.py` (Llama from config: "
         f"hidden {args.hidden}, {args.layers} layers over {world} stages, seq {args.seq}, "
-        f"batch {args.batch} in {args.microbatches} microbatches, gloo; {machine()}; median "
-        f"of {args.steps} alternating steps; both: 1F1B forward/backward, global-norm "
-        "clipping across stages, AdamW)",
+        f"batch {args.batch} in {args.microbatches} microbatches, gloo; {machine()}; "
+        f"{args.rounds} rounds of {args.steps} alternating steps after {args.warmup} "
+        "warm-up; both: 1F1B forward/backward, global-norm clipping across stages, AdamW)",
         "",
         "| variant | median step (ms) |",
         "| --- | ---: |",
         f"| paraxis 1F1B | {med['paraxis'] * 1e3:.1f} |",
         f"| torch Schedule1F1B | {med['torch'] * 1e3:.1f} |",
         "",
-        f"**Ratio paraxis / torch (median step time): {ratio:.3f}** (target <= 1.0)",
+        ratio_line("Ratio paraxis / torch (median step time)", ratio),
         "",
         f"Measured bubble (idle share of stages x step, median of 5 steps; interleaved "
         f"with 2 chunks) against theory, p={world}, m={args.microbatches}:",
@@ -151,10 +162,11 @@ def report(args, world, med, bubbles) -> None:
         "CPU cores.",
     ])
     if not args.no_write:
-        write_section("pp_vs_torch", table, {"median_step_s": med, "ratio": ratio,
-                                             "bubbles": bubbles})
+        write_section("pp_vs_torch", table, {
+            "args": vars(args), "median_step_s": med, "ratio": ratio, "bubbles": bubbles,
+            "round_medians_s": {k: run.medians(k) for k in run.walls}})
     print("\n".join(f"{n}: measured bubble {m:.3f}, theory {t:.3f}" for n, m, t in bubbles))
-    print(f"ratio paraxis/torch (median step time): {ratio:.3f}")
+    print(ratio_line("ratio paraxis/torch (median step time)", ratio, bold=False))
 
 
 if __name__ == "__main__":

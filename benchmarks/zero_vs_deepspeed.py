@@ -11,8 +11,9 @@ DeepSpeed's settings are matched to paraxis's where it has one: vectors stay who
 (``stage3_param_persistence_threshold`` 1024 elements keeps the norms and nothing else
 whole), about one layer prefetched (``stage3_prefetch_bucket_size``), overlapped
 reduce-scatter in 25 MiB buckets, clipping at 1.0. Both steps do forward, loss,
-backward, clipping and AdamW; they alternate, and the last line is the median step-time
-ratio paraxis / DeepSpeed. Without deepspeed installed the script says so and exits.
+backward, clipping and AdamW; they alternate in rounds, and the last line is the ratio
+paraxis / DeepSpeed (median of per-round ratios and spread; no target is stated for it).
+Without deepspeed installed the script says so and exits.
 """
 
 from __future__ import annotations
@@ -22,7 +23,15 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import alternate, build_llama, llama_parser, machine, median, write_section
+from common import (
+    build_llama,
+    llama_parser,
+    machine,
+    ratio_line,
+    rounds,
+    summary,
+    write_section,
+)
 
 import paraxis
 from paraxis import shutdown
@@ -55,7 +64,7 @@ def deepspeed_engine(args, layer_params: int):
 
 
 def main() -> None:
-    args = llama_parser(__doc__, steps=30, warmup=5, layers=4, batch=4).parse_args()
+    args = llama_parser(__doc__, steps=6, warmup=5, layers=4, batch=4).parse_args()
     try:
         import deepspeed  # noqa: F401
     except ImportError:
@@ -80,9 +89,11 @@ def main() -> None:
         engine.train_step(batch())
 
     variants = {"paraxis": paraxis_step, "deepspeed": deepspeed_stepper(ds, batch)}
-    times, _ = alternate(variants, steps=args.steps, warmup=args.warmup)
-    med = {k: median(v) for k, v in times.items()}
-    ratio = med["paraxis"] / med["deepspeed"]
+    run = rounds(variants, rounds=args.rounds, steps_per_round=args.steps,
+                 warmup=args.warmup)
+    med = {k: run.median(k) for k in run.walls}
+    ratio = summary(run.ratios("paraxis", "deepspeed"), None)
+    ratio["round_medians_s"] = {k: run.medians(k) for k in run.walls}
     if rank == 0:
         write_result(args, world, psi, med, ratio)
     engine.close()
@@ -108,21 +119,22 @@ def write_result(args, world, psi, med, ratio) -> None:
         f"`torchrun --nproc-per-node {world} benchmarks/zero_vs_deepspeed.py` (deepspeed "
         f"{deepspeed.__version__}, CPU accelerator, gloo, torch AdamW; Llama from config: "
         f"{psi / 1e6:.2f}M parameters, hidden {args.hidden}, {args.layers} layers, seq "
-        f"{args.seq}, batch {args.batch}/rank; data={world}; {machine()}; median of "
-        f"{args.steps} alternating steps; both: forward, loss, backward, clip, AdamW)",
+        f"{args.seq}, batch {args.batch}/rank; data={world}; {machine()}; {args.rounds} "
+        f"rounds of {args.steps} alternating steps; both: forward, loss, backward, clip, "
+        "AdamW)",
         "",
         "| variant | median step (ms) |",
         "| --- | ---: |",
         f"| paraxis zero=3 | {med['paraxis'] * 1e3:.1f} |",
         f"| DeepSpeed ZeRO-3 | {med['deepspeed'] * 1e3:.1f} |",
         "",
-        f"**Ratio paraxis / DeepSpeed (median step time): {ratio:.3f}**",
+        ratio_line("Ratio paraxis / DeepSpeed (median step time)", ratio),
     ])
     if not args.no_write:
         write_section("zero_vs_deepspeed", table, {"median_step_s": med, "ratio": ratio,
                                                    "params": psi})
     print(f"paraxis: {med['paraxis'] * 1e3:.1f} ms  deepspeed: {med['deepspeed'] * 1e3:.1f} ms")
-    print(f"ratio paraxis/deepspeed (median step time): {ratio:.3f}")
+    print(ratio_line("ratio paraxis/deepspeed (median step time)", ratio, bold=False))
 
 
 if __name__ == "__main__":

@@ -8,9 +8,10 @@ units (the embedding, each decoder layer, the LM head, and the root for what is 
 the final norm), resharding after forward, with the same prefetch depth: one unit ahead
 in forward and one behind in backward (``set_modules_to_forward_prefetch`` /
 ``set_modules_to_backward_prefetch``). Both steps do forward, loss, backward, global-norm
-clipping and AdamW; they alternate, and the last line is the median step-time ratio
-paraxis / FSDP2. paraxis's bytes per step per rank are reported against ZeRO's
-3Ψ(N-1)/N (all-gather in forward and in backward, reduce-scatter of gradients).
+clipping and AdamW; they alternate in rounds, and the last line is the ratio paraxis /
+FSDP2 (median of per-round ratios, spread, verdict; :mod:`common`). paraxis's bytes per
+step per rank are reported against ZeRO's 3Ψ(N-1)/N (all-gather in forward and in
+backward, reduce-scatter of gradients).
 """
 
 from __future__ import annotations
@@ -20,7 +21,16 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import alternate, build_llama, llama_parser, machine, median, write_section
+from common import (
+    build_llama,
+    llama_parser,
+    machine,
+    median,
+    ratio_line,
+    rounds,
+    summary,
+    write_section,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -45,7 +55,7 @@ def fsdp2_model(args, mesh) -> torch.nn.Module:
 
 
 def main() -> None:
-    args = llama_parser(__doc__, steps=30, warmup=5, layers=4, batch=4).parse_args()
+    args = llama_parser(__doc__, steps=6, warmup=5, layers=4, batch=4).parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -68,9 +78,11 @@ def main() -> None:
                                   if k.startswith("comm/data")))
 
     variants = {"paraxis": paraxis_step, "fsdp2": fsdp2_stepper(fsdp, opt, batch)}
-    times, _ = alternate(variants, steps=args.steps, warmup=args.warmup)
-    med = {k: median(v) for k, v in times.items()}
-    ratio = med["paraxis"] / med["fsdp2"]
+    run = rounds(variants, rounds=args.rounds, steps_per_round=args.steps,
+                 warmup=args.warmup)
+    med = {k: run.median(k) for k in run.walls}
+    ratio = summary(run.ratios("paraxis", "fsdp2"), 1.0)
+    ratio["round_medians_s"] = {k: run.medians(k) for k in run.walls}
     theory = 3 * psi * (world - 1) / world * 4
     if rank == 0:
         write_result(args, world, psi, med, ratio, median(bytes_per_step), theory)
@@ -97,9 +109,9 @@ def write_result(args, world, psi, med, ratio, measured, theory) -> None:
         f"`torchrun --nproc-per-node {world} benchmarks/zero_vs_fsdp2.py` (Llama from "
         f"config: {psi / 1e6:.2f}M parameters, hidden {args.hidden}, {args.layers} layers, "
         f"8 heads / 4 kv heads, vocab 256, seq {args.seq}, batch {args.batch}/rank; "
-        f"data={world}, gloo; {machine()}; median of {args.steps} alternating steps; both: "
-        "units embedding / each layer / head, reshard after forward, prefetch one unit "
-        "both ways, forward, loss, backward, clip, AdamW)",
+        f"data={world}, gloo; {machine()}; {args.rounds} rounds of {args.steps} "
+        "alternating steps; both: units embedding / each layer / head, reshard after "
+        "forward, prefetch one unit both ways, forward, loss, backward, clip, AdamW)",
         "",
         "| variant | median step (ms) |",
         "| --- | ---: |",
@@ -111,7 +123,7 @@ def write_result(args, world, psi, med, ratio, measured, theory) -> None:
         "norms stay whole and are all-reduced, 2 instead of 3; the token count adds "
         "8 bytes).",
         "",
-        f"**Ratio paraxis / FSDP2 (median step time): {ratio:.3f}** (target <= 1.0)",
+        ratio_line("Ratio paraxis / FSDP2 (median step time)", ratio),
     ])
     if not args.no_write:
         write_section("zero_vs_fsdp2", table, {"median_step_s": med, "ratio": ratio,
@@ -120,7 +132,7 @@ def write_result(args, world, psi, med, ratio, measured, theory) -> None:
     print(f"paraxis: {med['paraxis'] * 1e3:.1f} ms  fsdp2: {med['fsdp2'] * 1e3:.1f} ms")
     print(f"bytes/step/rank: measured {measured / 2**20:.3f} MiB, "
           f"3Ψ(N-1)/N {theory / 2**20:.3f} MiB")
-    print(f"ratio paraxis/fsdp2 (median step time): {ratio:.3f}")
+    print(ratio_line("ratio paraxis/fsdp2 (median step time)", ratio, bold=False))
 
 
 if __name__ == "__main__":

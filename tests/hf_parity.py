@@ -1,7 +1,8 @@
 """One parity run for the cross-package tests: a debug-sized Hugging Face family trained
 on random tokens under some degrees, against the same model in one process.
 
-Per-step losses and gradient norms, an evaluation loss and the gathered final weights
+The first step's gradients (parameter by parameter, gathered through the placements),
+per-step losses and gradient norms, an evaluation loss and the gathered final weights
 must agree at the shared tolerance (paraxis.testing.tolerance). Functions here run on
 the ranks of the ``worlds`` fixture (spawned workers import this module by name).
 """
@@ -12,7 +13,12 @@ import torch
 
 import paraxis
 from paraxis import ParallelConfig
-from paraxis.testing.parity import assert_same_weights, local_shards
+from paraxis.testing.parity import (
+    assert_same_gradients,
+    assert_same_weights,
+    local_gradients,
+    local_shards,
+)
 from paraxis.testing.tolerance import assert_losses_close
 from paraxis_hf import build_debug_model
 
@@ -45,20 +51,23 @@ def train(family, degrees, overrides, steps, options, order=None, seq=SEQ, batch
     index, count = engine.grid.sample_shard()
     part = slice(index * batch // count, (index + 1) * batch // count)
     g = torch.Generator().manual_seed(3)
-    history = []
+    history, grads = [], None
     for _ in range(steps):
         ids = torch.randint(0, vocab, (batch, seq), generator=g)
         labels = ids.clone()
         labels[0, :9] = -100  # uneven token counts over the data ranks
         if order is not None:
             ids, labels = ids[order], labels[order]
-        m = engine.train_step({"input_ids": ids[part], "labels": labels[part]})
+        share = {"input_ids": ids[part], "labels": labels[part]}
+        if grads is None:  # the first batch's gradients, before any step
+            grads = local_gradients(engine, share)
+        m = engine.train_step(share)
         history.append((m["loss"], m["grad_norm"], m.get("moe/aux_loss")))
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(4))
     eval_loss = engine.eval_step(ids[part])
     shards = local_shards(engine.model)
     engine.close()
-    return history, eval_loss, shards
+    return history, eval_loss, shards, grads
 
 
 def compare(worlds, family, degrees, *, overrides=None, steps=8, seq=SEQ, batch=BATCH,
@@ -79,14 +88,15 @@ def compare(worlds, family, degrees, *, overrides=None, steps=8, seq=SEQ, batch=
     if key not in _REFERENCES:  # layouts sharing a reference run it once per session
         _REFERENCES[key] = worlds.run(1, train, family, {}, overrides, steps, single,
                                       order, seq, batch)[0]
-    ref_history, ref_eval, ref_shards = _REFERENCES[key]
+    ref_history, ref_eval, ref_shards, ref_grads = _REFERENCES[key]
     out = worlds.run(config.world_size, train, family, degrees, overrides, steps, options,
                      None, seq, batch)
     print(f"{family} {degrees} {options}: worst relative difference over {steps} steps "
           + ", ".join(f"{what} {_worst(out, ref_history, i):.1e}" for i, what in
                       enumerate(("loss", "grad norm", "router loss"))
                       if ref_history[0][i] is not None))
-    for history, eval_loss, _ in out:
+    assert_same_gradients([g for *_, g in out], ref_grads)
+    for history, eval_loss, _, _ in out:
         assert_losses_close([h[0] for h in history], [h[0] for h in ref_history])
         assert_losses_close([h[1] for h in history], [h[1] for h in ref_history],
                             "gradient norms")
@@ -94,10 +104,10 @@ def compare(worlds, family, degrees, *, overrides=None, steps=8, seq=SEQ, batch=
             assert_losses_close([h[2] for h in history], [h[2] for h in ref_history],
                                 "router load-balancing losses")
         assert_losses_close([eval_loss], [ref_eval], "evaluation loss")
-    assert_same_weights([s for _, _, s in out], ref_shards, lr=LR, steps=steps)
+    assert_same_weights([s for _, _, s, _ in out], ref_shards, lr=LR, steps=steps)
     return out
 
 
 def _worst(out, reference, i):
-    return max(abs(h[i] - r[i]) / abs(r[i]) for history, _, _ in out
+    return max(abs(h[i] - r[i]) / abs(r[i]) for history, *_ in out
                for h, r in zip(history, reference, strict=True))

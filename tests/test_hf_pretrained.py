@@ -55,8 +55,9 @@ def train_from(directory, options, pretrained):
     part = slice(index * BATCH // count, (index + 1) * BATCH // count)
     losses = [engine.train_step(torch.randint(0, 127, (BATCH, SEQ), generator=g)[part])["loss"]
               for _ in range(STEPS)]
+    probed = engine.ctx.extras["probe"]
     engine.close()
-    return losses
+    return losses if not pretrained else (losses, probed)
 
 
 def test_sharded_directory_has_an_index(tmp_path):
@@ -73,8 +74,34 @@ def test_parallel_run_from_pretrained_equals_one_process(worlds, tmp_path, optio
     save_debug_llama(tmp_path, vocab_size=127)  # tensor 2 pads it to 128
     want = worlds.run(1, train_from, str(tmp_path), {}, False)[0]
     size = options.get("pipeline", 1) * options.get("tensor", 1) * options.get("data", 1)
-    for losses in worlds.run(size, train_from, str(tmp_path), options, True):
+    for losses, probed in worlds.run(size, train_from, str(tmp_path), options, True):
         assert_losses_close(losses, want)
+        assert probed.startswith("twin: LlamaForCausalLM"), probed  # the probe ran
+
+
+def wrong_plan(directory):
+    """A plan entry that shards the wrong dimension (q_proj split along its input, as a
+    row-parallel layer): the twin's probe must refuse it before a weight is read."""
+    import dataclasses
+
+    from paraxis.engine.probe import ParityError
+    from paraxis_hf import from_pretrained, hf_plan
+
+    model = from_pretrained(directory)
+    plan = hf_plan(model)
+    plan = dataclasses.replace(plan, tensor={**plan.tensor,
+                                             "model.layers.*.self_attn.q_proj": "rowwise"})
+    try:
+        paraxis.parallelize(model, tensor=2, plan=plan, train={"seq_length": SEQ})
+    except ParityError as exc:
+        return str(exc)
+    return None
+
+
+def test_the_twin_probe_refuses_a_wrong_plan_for_pretrained_weights(worlds, tmp_path):
+    save_debug_llama(tmp_path)
+    for message in worlds.run(2, wrong_plan, str(tmp_path)):
+        assert message is not None and "LlamaForCausalLM: with tensor 2" in message
 
 
 def _anon_kib():

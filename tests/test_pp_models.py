@@ -1,6 +1,7 @@
 """Pipeline parallelism on a Hugging Face Llama, every schedule, against one process:
-20 steps, per-step losses and gathered final weights at the shared tolerance
-(paraxis.testing.tolerance). Compositions with data and tensor parallelism, up to 8 ranks."""
+the first step's gradients parameter by parameter, then 20 steps, per-step losses and
+gathered final weights at the shared tolerance (paraxis.testing.tolerance).
+Compositions with data and tensor parallelism, up to 8 ranks."""
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import paraxis
 from paraxis import ParallelConfig
 from paraxis.testing.parity import (
     assemble,
+    assert_same_gradients,
     assert_same_weights,
     local_shards,
     train_on_random_tokens,
@@ -27,7 +29,8 @@ def train(layers, degrees, schedule="1f1b", chunks=1, microbatches=4):
     engine = paraxis.parallelize(
         build_debug_model("llama", num_hidden_layers=layers, vocab_size=127), config=config,
         train={"steps": STEPS, "lr": LR, "warmup_steps": 2, "seq_length": SEQ})
-    losses = train_on_random_tokens(engine, steps=STEPS, batch=BATCH, seq=SEQ, vocab=127)
+    losses, grads = train_on_random_tokens(engine, steps=STEPS, batch=BATCH, seq=SEQ,
+                                           vocab=127, gradients=True)
     index, count = engine.grid.sample_shard()
     ids = torch.randint(0, 127, (BATCH, SEQ), generator=torch.Generator().manual_seed(4))
     labels = ids.clone()
@@ -36,18 +39,19 @@ def train(layers, degrees, schedule="1f1b", chunks=1, microbatches=4):
     eval_loss = engine.eval_step({"input_ids": ids[part], "labels": labels[part]})
     shards = local_shards(engine.model)
     engine.close()
-    return losses, eval_loss, shards
+    return losses, eval_loss, shards, grads
 
 
 def compare(worlds, layers, degrees, schedule="1f1b", chunks=1):
-    ref_losses, ref_eval, ref_shards = worlds.run(1, train, layers, {})[0]
+    ref_losses, ref_eval, ref_shards, ref_grads = worlds.run(1, train, layers, {})[0]
     world = ParallelConfig.from_kwargs(**degrees).world_size
     out = worlds.run(world, train, layers, degrees, schedule, chunks)
-    for losses, eval_loss, _ in out:
+    assert_same_gradients([g for *_, g in out], ref_grads)
+    for losses, eval_loss, _, _ in out:
         assert_losses_close(losses, ref_losses)
         assert_losses_close([eval_loss], [ref_eval], "evaluation loss")
     # Every layer on exactly one stage.
-    assert_same_weights([s for _, _, s in out], ref_shards, lr=LR, steps=STEPS)
+    assert_same_weights([s for _, _, s, _ in out], ref_shards, lr=LR, steps=STEPS)
 
 
 @pytest.mark.parametrize("pipeline", [2, 4])

@@ -1,11 +1,12 @@
 """ZeRO stages 1, 2 and 3 on Hugging Face families (llama, qwen2 with q/k/v biases,
 mistral), against one process: data=2 and data=4, accumulation over 2 and 4
-microbatches, 20 steps with clipping and uneven -100 labels; per-step losses and
-gradient norms, an evaluation loss and the gathered final weights at the shared
-tolerance (paraxis.testing.tolerance). Then the compositions: ZeRO-3 x tensor 2 (with
-and without sequence parallelism: the partial norms stay whole), ZeRO-3 over context
-replicas, ZeRO-1 x pipeline 2 x data 2 (a tied embedding stays whole for the
-pipeline's tied sum)."""
+microbatches, 20 steps with clipping and uneven -100 labels; the first step's gradients
+(gathered from ZeRO's shards, parameter by parameter), per-step losses and gradient
+norms, an evaluation loss and the gathered final weights at the shared tolerance
+(paraxis.testing.tolerance). Then the compositions: ZeRO-3 x tensor 2 (with and without
+sequence parallelism: the partial norms stay whole), ZeRO-3 over context replicas,
+ZeRO-1 x pipeline 2 x data 2 (a tied embedding stays whole for the pipeline's tied
+sum)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,12 @@ import torch
 
 import paraxis
 from paraxis import ParallelConfig
-from paraxis.testing.parity import assert_same_weights, local_shards
+from paraxis.testing.parity import (
+    assert_same_gradients,
+    assert_same_weights,
+    local_gradients,
+    local_shards,
+)
 from paraxis.testing.tolerance import assert_losses_close
 from paraxis_hf import build_debug_model
 
@@ -30,18 +36,20 @@ def train(family, options, overrides):
     index, count = engine.grid.sample_shard()
     part = slice(index * BATCH // count, (index + 1) * BATCH // count)
     g = torch.Generator().manual_seed(3)
-    history = []
+    history, grads = [], None
     for _ in range(STEPS):
         ids = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
         labels = ids.clone()
         labels[0, :9] = -100
-        m = engine.train_step({"input_ids": ids[part], "labels": labels[part]})
+        share = {"input_ids": ids[part], "labels": labels[part]}
+        grads = grads if grads is not None else local_gradients(engine, share)
+        m = engine.train_step(share)
         history.append((m["loss"], m["grad_norm"]))
     ids = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
     eval_loss = engine.eval_step(ids[part])
     shards = local_shards(engine.model)
     engine.close()
-    return history, eval_loss, shards
+    return history, eval_loss, shards, grads
 
 
 def compare(worlds, family, options, overrides=None):
@@ -49,15 +57,16 @@ def compare(worlds, family, options, overrides=None):
     key = (family, tuple(sorted(overrides.items())))
     if key not in _references:
         _references[key] = worlds.run(1, train, family, {}, overrides)[0]
-    ref_history, ref_eval, ref_shards = _references[key]
+    ref_history, ref_eval, ref_shards, ref_grads = _references[key]
     world = ParallelConfig.from_kwargs(**options).world_size
     out = worlds.run(world, train, family, options, overrides)
-    for history, eval_loss, _ in out:
+    assert_same_gradients([g for *_, g in out], ref_grads)
+    for history, eval_loss, *_ in out:
         assert_losses_close([h[0] for h in history], [h[0] for h in ref_history])
         assert_losses_close([h[1] for h in history], [h[1] for h in ref_history],
                             "gradient norms")
         assert_losses_close([eval_loss], [ref_eval], "evaluation loss")
-    assert_same_weights([s for _, _, s in out], ref_shards, lr=LR, steps=STEPS)
+    assert_same_weights([s for _, _, s, _ in out], ref_shards, lr=LR, steps=STEPS)
 
 
 # Every stage with data 2 (2 microbatches) and data 4 (4 microbatches), each family twice

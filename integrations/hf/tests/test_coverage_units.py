@@ -7,7 +7,7 @@ from paraxis_hf.coverage.checks import CHECKS, Outcome
 from paraxis_hf.coverage.families import Family, build_family, not_text_only
 from paraxis_hf.coverage.report import counts, render, rows_from_json, rows_to_json
 from paraxis_hf.coverage.runner import OWN_LOSS, Row
-from paraxis_hf.coverage.shrink import HIDDEN, LAYERS, VOCAB, choose_layers, tiny_config
+from paraxis_hf.shrink import HIDDEN, LAYERS, VOCAB, choose_layers, tiny_config
 
 pytest.importorskip("transformers")
 
@@ -75,8 +75,9 @@ def test_denominators_count_shipped_plans_and_built_types():
             _row("c", ("tensor",), {}, error="does not build"),
             _row("d", ("tensor",), {}, not_text="vision")]
     c = counts(rows, ["data=2", "tensor=2", "pipeline=2"])
-    assert c["data=2"] == {"pass": 2, "fail": 0, "refused": 0, "of": 2}
-    assert c["tensor=2"] == {"pass": 1, "fail": 1, "refused": 0, "of": 3}  # c counts, d not
+    assert c["data=2"] == {"pass": 2, "explained": 0, "refused": 0, "fail": 0, "of": 2}
+    assert c["tensor=2"] == {"pass": 1, "explained": 0, "refused": 0, "fail": 1,
+                             "of": 3}  # c counts, d not
     assert c["pipeline=2"]["of"] == 1
     text = render(rows, CHECKS[:1], versions="v", seconds=60)
     assert text.startswith("<!-- Generated") and "Do not edit by hand" in text
@@ -112,9 +113,72 @@ def test_a_data_mismatch_is_passed_only_when_one_process_split_the_same_way_equa
     cell = compare(whole, ranks)
     assert cell.status == "fail"
     explained = split_explained(whole, split, ranks, cell, 2)
-    assert explained.status == "pass" and "ill-conditioned" in explained.detail
+    assert explained.status == "explained" and "ill-conditioned" in explained.detail
     assert "5.9e-05" in explained.detail
     wrong = [{"losses": split["losses"], "norms": [89.31, 49.36, 52.8]}] * 2
     assert split_explained(whole, split, wrong, compare(whole, wrong), 2).status == "fail"
     # One process agreeing with itself split: the ranks' difference is theirs.
     assert split_explained(whole, whole, wrong, compare(whole, wrong), 2).status == "fail"
+
+
+def _proof(sharded=0, handed_over=0, bytes_=500, claimed=500, whole=1000, kept=0):
+    return {"sharded": {"tensor": sharded, "pipeline": 0, "expert": 0},
+            "handed_over": handed_over, "bytes": bytes_, "claimed": claimed, "whole": whole,
+            "experts_replicated_over_tensor": kept}
+
+
+def test_a_layout_cell_passes_only_with_its_shard_proof():
+    """A plan that matched nothing would pass on losses alone; the cell must see that
+    every rank sharded something, holds less than the whole model, and holds exactly what
+    its placements claim (issue 19, finding 2)."""
+    from paraxis_hf.coverage.checks import compare
+
+    tensor = next(c for c in CHECKS if c.name == "tensor=2")
+    ref = {"losses": [5.0], "norms": [9.0]}
+    ok = [{**ref, "proof": _proof(sharded=7, kept=2)}] * 2
+    cell = compare(ref, ok, tensor)
+    assert cell.status == "pass" and "7 parameters sharded" in cell.detail
+    assert "0.50 of the model" in cell.detail and "experts of 2 block(s)" in cell.detail
+    nothing = [{**ref, "proof": _proof(bytes_=1000, claimed=1000)}] * 2
+    assert "sharded nothing over tensor" in compare(ref, nothing, tensor).detail
+    lying = [{**ref, "proof": _proof(sharded=7, claimed=400)}] * 2
+    assert compare(ref, lying, tensor).status == "fail"
+    pipeline = next(c for c in CHECKS if c.name == "pipeline=2")
+    stages = [{**ref, "proof": {**_proof(handed_over=3), "sharded": {
+        "tensor": 0, "pipeline": 0, "expert": 0}}}] * 2
+    assert "3 modules handed to the other stage" in compare(ref, stages, pipeline).detail
+
+
+def test_a_defect_the_probe_caught_is_a_failure_not_a_refusal():
+    from paraxis_hf.coverage.checks import compare
+
+    caught = [{"defect": "the parallel model's loss on a probe batch is 5.59"}] * 2
+    assert compare({"losses": [5.0]}, caught).status == "fail"
+    declined = [{"refused": "no tensor-parallel plan"}] * 2
+    assert compare({"losses": [5.0]}, declined).status == "refused"
+
+
+def test_a_drifting_run_is_passed_only_from_the_reference_weights_and_float64():
+    """Gemma 4, tensor=2: 1.2e-5 off one process at step 2, equal to it from the
+    reference's own weights, and one process in float32 is 2.3e-4 off float64 there
+    (the layout 2.2e-4): ill-conditioned. A layout wrong at the reference's weights, a
+    reference that float64 confirms, or a layout farther from float64 stay failures."""
+    from paraxis_hf.coverage.checks import compare
+    from paraxis_hf.coverage.drift import drift_explained
+
+    ref = {"losses": [5.538076, 5.540164, 5.511240], "norms": [14.36712, 13.25554, 11.14923]}
+    exact = {"losses": [5.538076, 5.540169, 5.511277], "norms": [14.36712, 13.25246, 11.15674]}
+    ranks = [{"losses": [5.538076, 5.540168, 5.511247],
+              "norms": [14.36713, 13.25538, 11.15292]}] * 2
+    anchored = [{"losses": ref["losses"], "norms": [14.36713, 13.25554, 11.14923]}] * 2
+    cell = compare(ref, ranks)
+    assert cell.status == "fail"
+    explained = drift_explained(ref, exact, anchored, ranks, cell)
+    assert explained.status == "explained" and "ill-conditioned" in explained.detail
+    assert "6.7e-04 off float64" in explained.detail and cell.detail in explained.detail
+    wrong_at_weights = [dict(anchored[0], norms=[14.36713, 13.25654, 11.14923])] * 2
+    assert drift_explained(ref, exact, wrong_at_weights, ranks, cell) == cell
+    assert drift_explained(ref, ref, anchored, ranks, cell) == cell
+    far = [dict(ranks[0], norms=[14.36713, 13.27, 11.15292])] * 2
+    assert drift_explained(ref, exact, anchored, far, compare(ref, far)).status == "fail"
+    assert drift_explained(ref, exact, [], ranks, cell) == cell

@@ -82,10 +82,11 @@ def test_a_head_entry_alone_is_no_pipeline_plan():
     # ships no pipeline plan, so there are no stages: refused as "no pipeline plan".
     from transformers import AutoModelForCausalLM
 
-    from paraxis_hf.coverage.shrink import tiny_config
+    from paraxis_hf.shrink import tiny_config
 
     model = AutoModelForCausalLM.from_config(tiny_config("nemotron").config)
     plan = find_plan(model, make_plugin_manager(), None)
     assert plan.tensor and plan.pipeline == {}
     with pytest.raises(PlanError, match="has no pipeline-parallel plan"):
         plan.require("pipeline")
+

@@ -4,7 +4,7 @@ loss joint over pipeline stages exact, walked through by hand as a runner does."
 import pytest
 import torch
 
-from paraxis.parallel.batch import AuxLosses
+from paraxis.parallel.aux_losses import AuxLosses
 
 
 def test_parts_are_summed_scaled_and_counted():

@@ -148,3 +148,18 @@ def selective_without_attention():
 def test_selective_needs_an_attention_block(worlds):
     (message,) = worlds.run(1, selective_without_attention)
     assert message and "no attention block" in message
+
+
+def test_the_loss_is_at_least_fp32_and_keeps_fp64():
+    """Half-precision logits are upcast; float64 logits stay float64, so a float64 model
+    trains in float64 end to end (the coverage matrix's exact reference)."""
+    from paraxis.engine.loss import causal_lm_loss_sum
+
+    logits = torch.randn(2, 5, 7, dtype=torch.float64)
+    targets = torch.randint(0, 7, (2, 5))
+    loss, count = causal_lm_loss_sum(logits, targets)
+    assert loss.dtype == torch.float64 and count == 10
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, 7), targets.reshape(-1),
+                                             reduction="sum")
+    assert float(loss) == float(want)
+    assert causal_lm_loss_sum(logits.bfloat16(), targets)[0].dtype == torch.float32

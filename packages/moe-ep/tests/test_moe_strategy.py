@@ -10,7 +10,7 @@ from torch import nn
 
 from paraxis import ParallelConfig
 from paraxis.engine.plugins import collect_strategies, make_plugin_manager
-from paraxis.parallel.batch import AuxLosses
+from paraxis.parallel.aux_losses import AuxLosses
 from paraxis.parallel.model_plan import ModelPlan
 from paraxis.parallel.strategy import Phase
 from paraxis.runtime.grid import AxisGroup

@@ -1,5 +1,6 @@
 """Pipeline parallelism on core's own tiny model (no transformers): every schedule and
-recomputation against one process, at the shared tolerance. This is what
+recomputation against one process (the first step's gradients parameter by parameter,
+per-step losses, final weights), at the shared tolerance. This is what
 ``nox -s tests_isolated`` runs with only core and this package installed."""
 
 import pytest
@@ -9,7 +10,12 @@ import torch.distributed as dist
 import paraxis
 from paraxis import ParallelConfig
 from paraxis.models.tiny import TinyConfig, TinyTransformer
-from paraxis.testing.parity import assert_same_weights, local_shards
+from paraxis.testing.parity import (
+    assert_same_gradients,
+    assert_same_weights,
+    local_gradients,
+    local_shards,
+)
 from paraxis.testing.tolerance import assert_losses_close
 
 CFG = TinyConfig(vocab_size=61, hidden_size=32, num_layers=4, num_heads=4,
@@ -25,11 +31,13 @@ def train(options):
                                  train={"steps": STEPS, "lr": LR, "warmup_steps": 2,
                                         "seq_length": CFG.seq_length})
     g = torch.Generator().manual_seed(1)
-    losses = [engine.train_step(torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_length),
-                                              generator=g))["loss"] for _ in range(STEPS)]
+    batches = [torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_length), generator=g)
+               for _ in range(STEPS)]
+    grads = local_gradients(engine, batches[0])
+    losses = [engine.train_step(ids)["loss"] for ids in batches]
     shards = local_shards(engine.model)
     engine.close()
-    return losses, shards
+    return losses, shards, grads
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +54,9 @@ def reference(worlds):
     {"activation_checkpointing": "selective", "pipeline_schedule": "zero_bubble_h1"},
 ], ids=lambda o: "-".join(str(v) for v in o.values()))
 def test_tiny_pipeline_matches_one_process(worlds, reference, options):
-    ref_losses, ref_shards = reference
+    ref_losses, ref_shards, ref_grads = reference
     out = worlds.run(2, train, options)
-    for losses, _ in out:
+    assert_same_gradients([g for *_, g in out], ref_grads)
+    for losses, *_ in out:
         assert_losses_close(losses, ref_losses)
-    assert_same_weights([s for _, s in out], ref_shards, lr=LR, steps=STEPS)
+    assert_same_weights([s for _, s, _ in out], ref_shards, lr=LR, steps=STEPS)

@@ -44,18 +44,24 @@ def test_sequence_split_zigzag():
     assert [mb.input_ids.shape for mb in out.chunk(2)] == [(1, 8), (1, 8)]
 
 
-def test_sequence_split_refuses_packed_positions_padding_and_uneven():
-    ids = torch.zeros(1, 8, dtype=torch.long)
-    packed = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
-    with pytest.raises(ValueError, match="packed"):
-        SequenceSplit(size=2, rank=0)(Batch(ids, ids, packed))
+def test_sequence_split_turns_documents_and_padding_into_document_ids():
+    """Packed documents and padding cannot travel as a whole-sequence mask: they become
+    per-token document ids (pads -1), cut like the tokens, for the kernels."""
+    ids = torch.arange(8).view(1, 8)
+    packed = Batch.from_user({"input_ids": ids,
+                              "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])})
+    assert packed.packed
+    rank0 = SequenceSplit(size=2, rank=0)(packed)  # zigzag: chunks 0 and 3 of 4
+    assert rank0.document_ids.tolist() == [[0, 0, 1, 1]]
+    assert rank0.position_ids.tolist() == [[0, 1, 2, 3]]
     padded = Batch.from_user({"input_ids": ids, "attention_mask": torch.tensor(
         [[1, 1, 1, 1, 1, 1, 0, 0]])})
-    with pytest.raises(ValueError, match=r"padding mask.*-100"):
-        SequenceSplit(size=2, rank=0)(padded)
+    rank1 = SequenceSplit(size=2, rank=1)(padded)  # chunks 1 and 2
+    assert rank1.document_ids.tolist() == [[0, 0, 0, 0]] and rank1.padding_mask is None
+    assert SequenceSplit(size=2, rank=0)(padded).document_ids.tolist() == [[0, 0, -1, -1]]
     ones = Batch.from_user({"input_ids": ids, "attention_mask": torch.ones(1, 8)})
-    assert ones.padding_mask is None  # masks nothing: nothing to refuse
-    SequenceSplit(size=2, rank=0)(ones)
+    assert ones.padding_mask is None  # masks nothing
+    assert SequenceSplit(size=2, rank=0)(ones).document_ids is None
     with pytest.raises(ValueError, match="8 equal chunks"):
         SequenceSplit(size=4, rank=0)(Batch.from_user(torch.zeros(1, 12, dtype=torch.long)))
 

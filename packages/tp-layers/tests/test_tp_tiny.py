@@ -1,4 +1,5 @@
-"""paraxis's own tiny model with a hand-written plan: tensor=2 against one process, and
+"""paraxis's own tiny model with a hand-written plan: tensor=2 against one process (the
+first step's gradients parameter by parameter, per-step losses, final weights), and
 plans that name an unknown style or a module of the wrong type fail at wrap time."""
 
 import pytest
@@ -8,7 +9,12 @@ import torch.distributed as dist
 import paraxis
 from paraxis import ModelPlan, PlanError
 from paraxis.models.tiny import TINY_PLAN, TinyConfig, TinyTransformer
-from paraxis.testing.parity import assert_same_weights, local_shards
+from paraxis.testing.parity import (
+    assert_same_gradients,
+    assert_same_weights,
+    local_gradients,
+    local_shards,
+)
 from paraxis.testing.tolerance import assert_losses_close
 
 CFG = TinyConfig(vocab_size=61, hidden_size=32, num_layers=2, num_heads=4,
@@ -23,19 +29,22 @@ def train_tiny(tensor):
                                  train={"steps": STEPS, "lr": 1e-3, "warmup_steps": 2,
                                         "seq_length": CFG.seq_length})
     g = torch.Generator().manual_seed(1)
-    losses = [engine.train_step(torch.randint(0, CFG.vocab_size, (4, CFG.seq_length),
-                                              generator=g))["loss"] for _ in range(STEPS)]
+    batches = [torch.randint(0, CFG.vocab_size, (4, CFG.seq_length), generator=g)
+               for _ in range(STEPS)]
+    grads = local_gradients(engine, batches[0])
+    losses = [engine.train_step(ids)["loss"] for ids in batches]
     shards = local_shards(engine.model)
     engine.close()
-    return losses, shards
+    return losses, shards, grads
 
 
 def test_tiny_tensor_parallel_matches_one_process(worlds):
-    ref_losses, ref_shards = worlds.run(1, train_tiny, 1)[0]
+    ref_losses, ref_shards, ref_grads = worlds.run(1, train_tiny, 1)[0]
     out = worlds.run(2, train_tiny, 2)
-    for losses, _ in out:
+    assert_same_gradients([g for *_, g in out], ref_grads)
+    for losses, *_ in out:
         assert_losses_close(losses, ref_losses)
-    assert_same_weights([s for _, s in out], ref_shards, lr=1e-3, steps=STEPS)
+    assert_same_weights([s for _, s, _ in out], ref_shards, lr=1e-3, steps=STEPS)
 
 
 def wrap_with(plan):

@@ -41,6 +41,13 @@ def paraxis_stage_calls(model: Any, plan: Any) -> Any:
 
 
 @hookimpl
+def paraxis_twin_model(model: Any, config: Any) -> Any:
+    from paraxis_hf.twin import twin_model
+
+    return twin_model(model, config)
+
+
+@hookimpl
 def paraxis_load_pretrained(directory: str, config: dict[str, Any]) -> Any:
     from paraxis_hf.pretrained import from_pretrained
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paraxis.parallel.batch import AuxLosses
+from paraxis.parallel.aux_losses import AuxLosses
 from paraxis.runtime.grid import AxisGroup
 from paraxis_moe.config import MoEConfig, aux_coef, experts_per_token
 from paraxis_moe.experts import (

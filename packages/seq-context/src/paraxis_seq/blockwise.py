@@ -36,6 +36,7 @@ __all__ = [
     "merge",
     "plan_block",
     "visible",
+    "with_documents",
 ]
 
 
@@ -101,6 +102,21 @@ def plan_block(q_pos: torch.Tensor, k_pos: torch.Tensor, *, causal: bool,
     tri = sub.shape[0] == sub.shape[1] and torch.equal(
         sub, torch.ones_like(sub).tril())
     return Block(slice(r0, r1), slice(c0, c1), sub.clone(), causal=tri)
+
+
+def with_documents(blk: Block, q_docs: torch.Tensor | None, k_docs: torch.Tensor | None,
+                   ) -> tuple[torch.Tensor | None, bool]:
+    """The block's mask with document ids applied, ``(mask, causal)`` for
+    :func:`block_forward`: a query sees a key of its own document, never a pad (id -1);
+    ``(b, 1, rows, cols)`` when there are documents (per sample), the block's own
+    positional mask otherwise."""
+    if q_docs is None or k_docs is None:
+        return blk.mask, blk.causal
+    qd, kd = q_docs[:, blk.rows], k_docs[:, blk.cols]
+    mask = (qd[:, :, None] == kd[:, None, :]) & (kd[:, None, :] >= 0)
+    if blk.mask is not None:
+        mask = mask & blk.mask.to(mask.device)
+    return mask[:, None], False
 
 
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:

@@ -15,9 +15,9 @@ its mask registry (``ALL_MASK_ATTENTION_FUNCTIONS``) does not know, so the funct
 ``is_causal=`` keyword) and the window from ``sliding_window=``; both are applied from
 true global positions by the kernels here. Rotary embeddings are right as long as the
 model is called with each rank's true ``position_ids`` (the batch transform passes them).
-A user's 2-D padding mask is dropped on that path: right padding is harmless under a
-causal mask (padding comes after every real token and its targets are ignored);
-left padding is not supported.
+Padding and packed documents reach the kernels as per-token document ids (the
+``paraxis_doc_ids`` keyword, which transformers passes on to the attention function
+like any extra keyword): a query attends a key only in its own document, never a pad.
 
 What cannot be intercepted (:func:`interceptable` says which and why): families whose
 attention modules compute attention inline (transformers' own test,
@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from paraxis.parallel.batch import DOC_IDS_KWARG
 from paraxis_seq.ring import DROPOUT_REFUSED, ring_attention
 from paraxis_seq.ulysses import ulysses_attention
 
@@ -59,8 +60,9 @@ _UNSUPPORTED_KWARGS: dict[str, str] = {
              "implemented",
     "position_bias": "an additive position bias (T5, MPNet) is a (s, s) tensor over the "
                      "whole sequence; not implemented",
-    "cu_seq_lens_q": "packed variable-length sequences need a document mask across the "
-                     "shards; not implemented: pack without cu_seq_lens",
+    "cu_seq_lens_q": "flash-attention's varlen lengths describe the whole sequence, not "
+                     "a rank's shard: pass packed documents as position_ids (paraxis "
+                     "turns them into document ids)",
 }
 # Layer kinds of config.layer_types that are plain attention.
 _ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})
@@ -73,10 +75,13 @@ _DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_p
 
 
 def attention_function(group: Any, *, mode: str = "ring", layout: str = "zigzag",
-                       kernel: Callable[..., torch.Tensor] | None = None) -> Callable:
+                       kernel: Callable[..., torch.Tensor] | None = None,
+                       documents: Any = None) -> Callable:
     """The function to register in ``transformers.AttentionInterface``: attention of
     this rank's sequence shard over the whole sequence, by ring or Ulysses over
     ``group`` (the grid's ``context`` group; ``kernel`` is Ulysses' per-rank attention).
+    ``documents`` (``paraxis_seq.strategy.DocumentState``) says when the step's batch
+    carries document ids, so their absence is an error, not a silent causal mask.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
@@ -86,11 +91,18 @@ def attention_function(group: Any, *, mode: str = "ring", layout: str = "zigzag"
                           scaling: float | None = None, dropout: float = 0.0,
                           sliding_window: int | None = None, is_causal: bool | None = None,
                           **kwargs: Any) -> tuple[torch.Tensor, None]:
+        docs = kwargs.pop(DOC_IDS_KWARG, None)
         _refuse_call(attention_mask, kwargs)
+        if docs is None and documents is not None and documents.expected:
+            raise ValueError(
+                f"{type(module).__name__} did not pass the batch's document ids "
+                f"({DOC_IDS_KWARG}) on to its attention: this family drops extra keywords, "
+                "so context parallelism cannot mask its padding or packed documents; "
+                "train it without padding and packing, or without the context axis")
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
         common = dict(group=group, causal=bool(causal), scale=scaling,
-                      window=sliding_window, layout=layout, dropout=dropout)
+                      window=sliding_window, layout=layout, dropout=dropout, documents=docs)
         if mode == "ring":
             out = ring_attention(q, k, v, **common)
         else:
@@ -160,7 +172,7 @@ def interceptable(model: nn.Module) -> str | None:
 
 
 def use_context_attention(model: nn.Module, group: Any, *, mode: str = "ring",
-                          layout: str = "zigzag") -> str:
+                          layout: str = "zigzag", documents: Any = None) -> str:
     """Register the context-parallel attention (name ``paraxis_<mode>``) and select it
     for ``model`` and its sub-models; returns the name. Raises ValueError with the
     reason when the model cannot be intercepted.
@@ -174,7 +186,8 @@ def use_context_attention(model: nn.Module, group: Any, *, mode: str = "ring",
     from transformers import AttentionInterface
 
     name = f"paraxis_{mode}"
-    AttentionInterface.register(name, attention_function(group, mode=mode, layout=layout))
+    AttentionInterface.register(name, attention_function(group, mode=mode, layout=layout,
+                                                         documents=documents))
     model.set_attn_implementation(name)
     if model.config._attn_implementation != name:  # set_attn_implementation only warns
         raise ValueError(f"{type(model).__name__} did not take attn_implementation={name!r} "

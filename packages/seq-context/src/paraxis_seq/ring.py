@@ -30,7 +30,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paraxis_seq.blockwise import Block, block_backward, block_forward, compute_dtype, merge
+from paraxis_seq.blockwise import (
+    Block,
+    block_backward,
+    block_forward,
+    compute_dtype,
+    merge,
+    with_documents,
+)
 from paraxis_seq.blockwise import plan_block as _plan_block
 from paraxis_seq.zigzag import check_layout, positions
 
@@ -99,70 +106,79 @@ def _unpack(buf: torch.Tensor, ka: torch.Size, vb: torch.Size) -> tuple[torch.Te
     return buf[:n].view(ka), buf[n:].view(vb)
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any,
-             spec: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+def _travelling(kv: torch.Tensor, docs: torch.Tensor | None) -> list[torch.Tensor]:
+    """What goes round the ring with a key block: K/V packed, and its document ids."""
+    return [kv] if docs is None else [kv, docs]
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor | None,
+             group: Any, spec: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     causal, scale, window, layout = spec
     n, rank, cd = group.size, group.rank, compute_dtype(q.dtype)
     b, s, h, _ = q.shape
     qc = q.to(cd)
     out = torch.zeros((b, s, h, v.shape[-1]), dtype=cd, device=q.device)
     lse = torch.full((b, h, s), float("-inf"), dtype=cd, device=q.device)
-    ring, kv = _Ring(group), _pack(k, v)
+    ring, held = _Ring(group), _travelling(_pack(k, v), docs)
     for step in range(n):
         # Post the next block's transfer first: it flies while this block computes.
-        handle = ring.start([kv], [torch.empty_like(kv)]) if step < n - 1 else None
+        handle = (ring.start(held, [torch.empty_like(t) for t in held])
+                  if step < n - 1 else None)
         blk = step_plan(s * n, n, rank, (rank - step) % n, layout, causal, window)
         if blk is not None:
-            kb, vb = _unpack(kv, k.shape, v.shape)
-            mask = None if blk.mask is None else blk.mask.to(q.device)
+            kb, vb = _unpack(held[0], k.shape, v.shape)
+            mask, tri = with_documents(blk, docs, held[1] if docs is not None else None)
+            mask = None if mask is None else mask.to(q.device)
             o, lse_b = block_forward(qc[:, blk.rows], kb[:, blk.cols].to(cd),
                                      vb[:, blk.cols].to(cd), scale=scale, mask=mask,
-                                     causal=blk.causal)
+                                     causal=tri)
             out[:, blk.rows], lse[:, :, blk.rows] = merge(out[:, blk.rows],
                                                           lse[:, :, blk.rows], o, lse_b)
         if handle is not None:
-            kv = ring.wait(handle)[0]
+            held = ring.wait(handle)
     return out, lse
 
 
-def _block_grads(blk: Block | None, kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 saved: tuple, dq: torch.Tensor, scale: float) -> torch.Tensor:
+def _block_grads(blk: Block | None, held: list[torch.Tensor], k: torch.Tensor,
+                 v: torch.Tensor, saved: tuple, dq: torch.Tensor, scale: float,
+                 docs: torch.Tensor | None) -> torch.Tensor:
     """This rank's dK/dV (packed, compute dtype) for the block it holds; adds into dq."""
     qc, do, out, lse, delta = saved
     dk = torch.zeros(k.shape, dtype=qc.dtype, device=qc.device)
     dv = torch.zeros(v.shape, dtype=qc.dtype, device=qc.device)
     if blk is not None:
-        kb, vb = _unpack(kv, k.shape, v.shape)
+        kb, vb = _unpack(held[0], k.shape, v.shape)
         r, c = blk.rows, blk.cols
-        mask = None if blk.mask is None else blk.mask.to(qc.device)
+        mask, tri = with_documents(blk, docs, held[1] if docs is not None else None)
+        mask = None if mask is None else mask.to(qc.device)
         dq_b, dk[:, c], dv[:, c] = block_backward(
             do[:, r], qc[:, r], kb[:, c].to(qc.dtype), vb[:, c].to(qc.dtype), lse[:, :, r],
-            delta[:, :, r], scale=scale, mask=mask, causal=blk.causal, out=out[:, r])
+            delta[:, :, r], scale=scale, mask=mask, causal=tri, out=out[:, r])
         dq[:, r] += dq_b
     return _pack(dk, dv)
 
 
 def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              out: torch.Tensor, lse: torch.Tensor, group: Any,
+              out: torch.Tensor, lse: torch.Tensor, docs: torch.Tensor | None, group: Any,
               spec: tuple) -> tuple[torch.Tensor, ...]:
     causal, scale, window, layout = spec
     n, rank, cd = group.size, group.rank, compute_dtype(q.dtype)
     qc, do = q.to(cd), dout.to(cd)
     delta = (do * out).sum(-1).transpose(1, 2)  # rowsum(dO ∘ O), (b, h, s)
     saved, dq = (qc, do, out, lse, delta), torch.zeros_like(qc)
-    ring, kv = _Ring(group), _pack(k, v)
+    ring, held = _Ring(group), _travelling(_pack(k, v), docs)
     grad_size = k.numel() + v.numel()
     own, sends = None, []
     for step in range(n):
         # Receives from the previous rank, in the order it sent: the dK/dV sum for the
         # block we are about to get (it sent that at the end of its last step), then
-        # the next K/V (sent at the start of this step).
+        # the next K/V (and its document ids; sent at the start of this step).
         more, incoming = step < n - 1, step >= 2
         recv = [torch.empty(grad_size, dtype=cd, device=q.device)] if incoming else []
-        recv += [torch.empty_like(kv)] if more else []
-        handle = ring.start([kv] if more else [], recv)
+        recv += [torch.empty_like(t) for t in held] if more else []
+        handle = ring.start(held if more else [], recv)
         blk = step_plan(q.shape[1] * n, n, rank, (rank - step) % n, layout, causal, window)
-        grad = _block_grads(blk, kv, k, v, saved, dq, scale)
+        grad = _block_grads(blk, held, k, v, saved, dq, scale, docs)
         got = ring.wait(handle)
         if step == 0:
             own = grad  # our own block's part: it stays here
@@ -170,7 +186,7 @@ def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
             # The block's travelling sum moves on; after step n-1 the next rank is home.
             sends.append(ring.start([got.pop(0) + grad if incoming else grad], []))
         if more:
-            kv = got.pop(0)
+            held = got
     if n > 1:
         own = own + ring.wait(ring.start([], [torch.empty(grad_size, dtype=cd,
                                                           device=q.device)]))[0]
@@ -182,23 +198,25 @@ def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any,
-                spec: tuple) -> torch.Tensor:
-        out, lse = _forward(q, k, v, group, spec)
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                docs: torch.Tensor | None, group: Any, spec: tuple) -> torch.Tensor:
+        out, lse = _forward(q, k, v, docs, group, spec)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.spec = group, spec
+        ctx.docs, ctx.group, ctx.spec = docs, group, spec
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        return (*_backward(dout, q, k, v, out, lse, ctx.group, ctx.spec), None, None)
+        grads = _backward(dout, q, k, v, out, lse, ctx.docs, ctx.group, ctx.spec)
+        return (*grads, None, None, None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Any,
                    causal: bool = True, scale: float | None = None,
                    window: int | None = None, layout: str = "zigzag",
-                   dropout: float = 0.0) -> torch.Tensor:
+                   dropout: float = 0.0, documents: torch.Tensor | None = None,
+                   ) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence, sharded over ``group``.
 
     ``q`` is ``(b, s/C, h, d)``, ``k`` and ``v`` ``(b, s/C, h_kv, d)`` with ``h_kv``
@@ -222,4 +240,5 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
                          "disagree on its edge, and no causal LM here needs it")
     check_layout(q.shape[1] * group.size, group.size, layout)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _RingAttention.apply(q, k, v, group, (bool(causal), scale, window, layout))
+    docs = None if documents is None else documents.to(q.device).long().contiguous()
+    return _RingAttention.apply(q, k, v, docs, group, (bool(causal), scale, window, layout))

@@ -15,7 +15,10 @@ stage). Applying the strategy:
    rank's shard (zigzag for ring attention, contiguous for Ulysses; see
    :mod:`paraxis_seq.rules`), so the model sees true positions (rotary) and the loss each rank
    sums is its part of the global one. Targets were shifted before the cut, so no label
-   is lost where the cut falls.
+   is lost where the cut falls. Padding and packed documents travel as per-token
+   document ids (``paraxis_doc_ids``, pads -1) that the kernels mask with; causality
+   comes from the layout's global token order, never from the positions (which restart
+   at each document).
 
 Composition: the engine sums each rank's loss over its local tokens and divides by the
 global token count (all-reduced over ``data x expert x context``), and the data
@@ -40,51 +43,53 @@ from torch import nn
 
 from paraxis.config.errors import Problem
 from paraxis.config.parallel import ParallelConfig
-from paraxis.parallel.batch import Batch
+from paraxis.parallel.batch import Batch, document_ids
 from paraxis.parallel.stages import chunks_of
 from paraxis.parallel.strategy import ApplyContext, Phase, Strategy
 from paraxis_seq.hf_attention import use_context_attention
 from paraxis_seq.rules import LAYOUT_OF_MODE
 from paraxis_seq.zigzag import check_layout, shard
 
-__all__ = ["PADDING_REFUSED", "ContextParallelStrategy", "SequenceSplit"]
+__all__ = ["ContextParallelStrategy", "DocumentState", "SequenceSplit"]
 
-PADDING_REFUSED = (
-    "context parallelism got a padding mask (attention_mask with zeros): the ring and "
-    "Ulysses kernels mask by global position only, and a padding mask over the whole "
-    "sequence cannot follow the shards, so it would be ignored. Pack the rows (packed "
-    "pretraining has no padding), or pad on the right, mark the padded labels -100 and "
-    "drop attention_mask (exact under a causal mask), or run without the context axis")
+@dataclasses.dataclass
+class DocumentState:
+    """Shared by :class:`SequenceSplit` and the attention function of one application:
+    whether this step's batch carries document ids, so a model that did not forward
+    them to its attention (a family that drops extra keywords) is refused instead of
+    attending across documents."""
+
+    expected: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class SequenceSplit:
     """Batch transform: this rank's shard of ``input_ids``, ``targets`` and
-    ``position_ids`` (made ``0..s-1`` when absent) along the sequence."""
+    ``position_ids`` (made ``0..s-1`` when absent) along the sequence. Padding and packed
+    documents become per-token document ids (pads -1), cut the same way, which the
+    attention kernels mask with (a whole-sequence mask cannot follow the shards)."""
 
     size: int
     rank: int
     layout: str = "zigzag"
+    documents: DocumentState = dataclasses.field(default_factory=DocumentState)
 
     def __call__(self, batch: Batch) -> Batch:
-        if batch.padding_mask is not None:
-            raise ValueError(PADDING_REFUSED)
         ids = batch.input_ids
         check_layout(ids.shape[1], self.size, self.layout)
-        expect = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
         pos = batch.position_ids
         if pos is None:
-            pos = expect
-        elif not torch.equal(pos.expand_as(ids), expect):
-            raise ValueError(
-                "context parallelism got position ids other than 0..s-1 in a row (packed "
-                "documents?): the attention kernels mask by global position only, with no "
-                "document boundaries; pack without resetting positions, or run without "
-                "the context axis")
+            pos = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+        docs = None
+        if batch.packed or batch.padding_mask is not None:
+            docs = (document_ids(pos.expand_as(ids), batch.padding_mask) if batch.packed else
+                    torch.zeros_like(ids).masked_fill(~batch.padding_mask.bool(), -1))
+        self.documents.expected = docs is not None
         cut = dict(size=self.size, rank=self.rank, layout=self.layout)
-        return dataclasses.replace(batch, input_ids=shard(ids, **cut),
-                                   targets=shard(batch.targets, **cut),
-                                   position_ids=shard(pos, **cut))
+        return dataclasses.replace(
+            batch, input_ids=shard(ids, **cut), targets=shard(batch.targets, **cut),
+            position_ids=shard(pos, **cut), padding_mask=None,
+            document_ids=None if docs is None else shard(docs, **cut))
 
 
 class ContextParallelStrategy(Strategy):
@@ -108,10 +113,12 @@ class ContextParallelStrategy(Strategy):
         mode = ctx.config.parallelism.context_mode
         layout = LAYOUT_OF_MODE[mode]
         names: list[str] = []
+        documents = DocumentState()
         for chunk in chunks_of(model):  # each pipeline chunk is a model of its own
-            names.append(use_context_attention(chunk, group, mode=mode, layout=layout))
+            names.append(use_context_attention(chunk, group, mode=mode, layout=layout,
+                                               documents=documents))
             chunk.config.use_cache = False  # a cache would hold one shard's keys
-        ctx.batch_transforms.append(SequenceSplit(group.size, group.rank, layout))
+        ctx.batch_transforms.append(SequenceSplit(group.size, group.rank, layout, documents))
         ctx.extras["context"] = _Applied(mode, layout, names[0], group)
         return model
 

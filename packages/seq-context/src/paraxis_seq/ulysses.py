@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from paraxis.runtime.collectives import gather_along
 from paraxis.runtime.differentiable import all_to_all
 from paraxis_seq.ring import DROPOUT_REFUSED
 from paraxis_seq.zigzag import check_layout, shard_order
@@ -60,14 +61,23 @@ def kv_replication(heads: int, kv_heads: int, size: int) -> int:
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                   scale: float | None, window: int | None = None) -> torch.Tensor:
+                   scale: float | None, window: int | None = None,
+                   documents: torch.Tensor | None = None) -> torch.Tensor:
     """PyTorch SDPA on ``(b, s, h, d)`` tensors in true sequence order, GQA allowed:
-    Ulysses' default kernel (flash on GPU, math on CPU)."""
+    Ulysses' default kernel (flash on GPU, math on CPU). ``documents`` ``(b, s)``: a
+    query attends only keys of its own document, never a pad (-1); a pad's own row
+    sees itself, so its (ignored) output stays finite."""
     mask = None
-    if window is not None:
+    if window is not None or documents is not None:
         pos = torch.arange(q.shape[1], device=q.device)
         diff = pos[:, None] - pos[None, :]
-        mask = (diff >= 0) & (diff < window)
+        mask = diff >= 0 if causal else torch.ones_like(diff, dtype=torch.bool)
+        if window is not None:
+            mask = mask & (diff < window)
+        if documents is not None:
+            same = (documents[:, :, None] == documents[:, None, :]) & (documents[:, None] >= 0)
+            mask = (mask & same) | torch.eye(q.shape[1], dtype=torch.bool, device=q.device)
+            mask = mask[:, None]
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
         is_causal=causal and mask is None, scale=scale, enable_gqa=k.shape[2] != q.shape[2])
@@ -78,12 +88,14 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
                       causal: bool = True, scale: float | None = None,
                       window: int | None = None, layout: str = "zigzag",
                       attention: Attention | None = None, dropout: float = 0.0,
-                      ) -> torch.Tensor:
+                      documents: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of sequence-sharded ``q (b, s/C, H, d)``, ``k, v (b, s/C, H_kv, d)``
     through head-sharded full-sequence attention; returns ``(b, s/C, H, d_v)``.
 
     ``attention(q, k, v, causal=, scale=, window=)`` runs on ``(b, s, H/C, d)`` tensors
-    in true order (default :func:`sdpa_attention`). Collective over ``group``.
+    in true order (default :func:`sdpa_attention`; with ``documents``, this shard's
+    per-token document ids, the kernel also gets ``documents=`` for the gathered
+    sequence). Collective over ``group``.
     """
     if dropout:
         raise ValueError(DROPOUT_REFUSED + f" (dropout={dropout})")
@@ -101,7 +113,12 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
         order = shard_order(seq_len, n, layout).to(q.device)
         back = order.argsort()
         qh, kh, vh = (t.index_select(1, back) for t in (qh, kh, vh))
-    out = (attention or sdpa_attention)(qh, kh, vh, causal=causal, scale=scale, window=window)
+    extra = {}
+    if documents is not None:  # every rank's ids, once: the gathered sequence's
+        docs = gather_along(documents.to(q.device).long().contiguous(), 1, group)
+        extra["documents"] = docs if order is None else docs.index_select(1, back)
+    out = (attention or sdpa_attention)(qh, kh, vh, causal=causal, scale=scale,
+                                        window=window, **extra)
     if order is not None:
         out = out.index_select(1, order)
     return all_to_all(out, group, scatter_dim=1, gather_dim=2)

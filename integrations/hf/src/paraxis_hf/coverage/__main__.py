@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet()
     from paraxis_hf.coverage.checks import available_checks
     from paraxis_hf.coverage.families import causal_lm_types
-    from paraxis_hf.coverage.report import render, rows_from_json
+    from paraxis_hf.coverage.report import render, rows_from_json, with_readme_table
 
     checks = available_checks()
     start = time.perf_counter()
@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(render(rows, checks, versions=_versions(), seconds=seconds))
+        if out == "docs/coverage.md" and Path("README.md").exists():  # the README's copy
+            readme = Path("README.md")
+            readme.write_text(with_readme_table(readme.read_text(), Path(out).read_text()))
     print(f"{len(rows)} rows in {seconds / 60:.1f} min" + (f"; wrote {out}" if out else ""))
     return 0
 

@@ -2,12 +2,22 @@
 compared step by step with one process.
 
 The reference runs on a world of one: first the model's own ``labels=`` loss must equal
-the one-process paraxis loss on the same batch (``own loss``), then it trains
-:data:`STEPS` steps. Each check runs ``parallelize`` with its degrees on a world of two
-and trains the same global batches; per-step losses and gradient norms must agree at the
-shared tolerance (:mod:`paraxis.testing.tolerance`). A layout ``parallelize`` refuses
-(no plan, an attention kind a stage cannot run, the parity probe) is *refused* with its
-reason; everything else that goes wrong is a *failure* with its first line.
+the one-process paraxis loss on the same batch (``own loss``), then it takes the first
+batch's gradients and trains :data:`STEPS` steps. Each check runs ``parallelize`` with
+its degrees on a world of two, takes the same gradients and trains the same global
+batches; every parameter's gradient (gathered through the placements), the per-step
+losses and gradient norms must agree at the shared tolerance
+(:mod:`paraxis.testing.tolerance`), and a layout that shards must prove it did (the
+*shard proof*: parameters sharded or layers handed to the other stage, on every rank,
+and each rank's parameter bytes equal to what its placements claim and below the whole
+model's).
+
+A cell has one of four statuses: *pass*; *explained*, a pass with a stated cause for a
+difference (an ill-conditioned model: see :func:`split_explained`), counted apart;
+*refused*, a layout ``parallelize`` declines with its reason (no plan, an attention kind
+a stage cannot run, a combination an axis does not support); *fail*, a difference the
+parity probe or the run found, or a crash (a :class:`~paraxis.engine.probe.ParityError`
+is a defect caught, never a refusal).
 
 Functions here run on the ranks of a :class:`paraxis.testing.DistributedWorld`; they
 catch every exception so one family's failure leaves the world usable, and say so.
@@ -17,16 +27,20 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 from typing import Any
 
 import torch
 
-__all__ = ["BATCH", "CHECKS", "STEPS", "Check", "Outcome", "available_checks", "compare",
-           "own_loss", "parallel_run", "preflight_refusal", "reference_run", "settle",
-           "split_explained"]
+__all__ = ["BATCH", "CHECKS", "STATUSES", "STEPS", "Check", "Outcome", "available_checks",
+           "compare", "own_loss", "parallel_run", "preflight_refusal", "reference_run",
+           "settle", "shard_proof", "split_explained"]
 
 STEPS, BATCH, LR = 3, 4, 1e-3
 IGNORED = 5  # the first labels of sample 0 are -100: data ranks hold uneven token counts
+STATUSES = ("pass", "explained", "refused", "fail")
+# Checks whose axis shards the model (the shard proof applies), by the grid axis.
+SHARDING = {"tensor": "tensor", "pipeline": "pipeline", "expert": "expert"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +85,8 @@ def available_checks() -> list[Check]:
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
-    """A cell: ``pass``, ``fail`` or ``refused``, with the reason."""
+    """A cell: ``pass``, ``explained``, ``refused`` or ``fail``, with the reason (and, for
+    a pass, the shard proof)."""
 
     status: str
     detail: str = ""
@@ -82,7 +97,7 @@ class Outcome:
 
 
 def _first_line(exc: BaseException) -> str:
-    from paraxis_hf.coverage.shrink import first_line
+    from paraxis_hf.shrink import first_line
 
     return first_line(exc)
 
@@ -96,13 +111,22 @@ def _reason(exc: BaseException) -> str:
 
 
 def _train(model_type: str, overrides: dict[str, Any], kwargs: dict[str, Any],
-           own: bool) -> dict[str, Any]:
+           own: bool, *, dtype: torch.dtype | None = None, record: bool = False,
+           anchors: list[dict[str, torch.Tensor]] | None = None) -> dict[str, Any]:
+    """Train :data:`STEPS` steps; ``dtype`` casts the model first, ``record`` keeps the
+    weights each step starts from (a world of one), ``anchors`` sets them before each
+    step (see :mod:`paraxis_hf.coverage.drift`)."""
     import paraxis
     from paraxis import ConfigError, ParallelConfig, PlanError
+    from paraxis.engine.probe import ParityError
+    from paraxis.testing.parity import local_gradients
     from paraxis_hf.coverage.families import build_model
-    from paraxis_hf.coverage.shrink import SEQ, VOCAB
+    from paraxis_hf.shrink import SEQ, VOCAB
 
     model = build_model(model_type, overrides)
+    if dtype is not None:
+        model = model.to(dtype)
+    whole = _parameter_bytes(model.parameters())
     g = torch.Generator().manual_seed(3)
     batches = []
     for _ in range(STEPS):
@@ -116,21 +140,59 @@ def _train(model_type: str, overrides: dict[str, Any], kwargs: dict[str, Any],
     try:
         engine = paraxis.parallelize(model, config=ParallelConfig.from_kwargs(**kwargs), train={
             "steps": STEPS, "lr": LR, "warmup_steps": 1, "seq_length": SEQ})
+    except ParityError as exc:  # a defect the probe caught: a failure, not a refusal
+        return {"defect": _reason(exc)}
     except (PlanError, ConfigError) as exc:
         return {"refused": _reason(exc)}
     try:
         index, count = engine.grid.sample_shard()
         part = slice(index * BATCH // count, (index + 1) * BATCH // count)
+        shares = [{"input_ids": ids[part], "labels": labels[part]} for ids, labels in batches]
         if own:
-            ids, labels = batches[0]
-            result["paraxis"] = engine.eval_step({"input_ids": ids[part], "labels": labels[part]})
-        history = [engine.train_step({"input_ids": ids[part], "labels": labels[part]})
-                   for ids, labels in batches]
+            result["paraxis"] = engine.eval_step(shares[0])
+        result["proof"] = shard_proof(engine, whole)
+        result["grads"] = local_gradients(engine, shares[0])
+        history = []
+        for step, share in enumerate(shares):
+            if anchors is not None or record:
+                from paraxis_hf.coverage.drift import full_weights, set_weights
+
+                if anchors is not None:
+                    set_weights(engine.model, anchors[step])
+                if record:
+                    result.setdefault("weights", []).append(full_weights(engine.model))
+            history.append(engine.train_step(share))
         result["losses"] = [m["loss"] for m in history]
         result["norms"] = [m["grad_norm"] for m in history]
     finally:
         engine.close()
     return result
+
+
+def _parameter_bytes(params: Any) -> int:
+    seen = {id(p): p for p in params}
+    return sum(p.numel() * p.element_size() for p in seen.values())
+
+
+def shard_proof(engine: Any, whole: int) -> dict[str, Any]:
+    """What this rank holds against the whole model: parameters its placements shard,
+    layers and entries handed to other pipeline stages, the bytes it holds, the bytes
+    its placements claim, and the experts left whole on every tensor rank."""
+    from paraxis.parallel.placement import placement_of
+    from paraxis.parallel.stages import Absent, SkipLayer
+
+    params = list({id(p): p for p in engine.model.parameters()}.values())
+    records = [placement_of(p) for p in params]
+    kept = engine.plan.extra.get("experts_kept_whole", ())
+    return {
+        "sharded": {a: sum(a in r.sharded_axes for r in records) for a in SHARDING},
+        "handed_over": sum(isinstance(m, SkipLayer | Absent) for m in engine.model.modules()),
+        "bytes": _parameter_bytes(params),
+        "claimed": sum(math.prod(r.local_shape) * p.element_size()
+                       for r, p in zip(records, params, strict=True)),
+        "whole": whole,
+        "experts_replicated_over_tensor": len(kept) if engine.grid.size("tensor") > 1 else 0,
+    }
 
 
 def _own_losses(model: Any, ids: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
@@ -158,10 +220,10 @@ def settle() -> None:
 
 
 def _guarded(model_type: str, overrides: dict[str, Any], kwargs: dict[str, Any],
-             own: bool) -> dict[str, Any]:
+             own: bool, **options: Any) -> dict[str, Any]:
     settle()
     try:
-        return _train(model_type, overrides, kwargs, own)
+        return _train(model_type, overrides, kwargs, own, **options)
     except Exception as exc:
         return {"error": _first_line(exc)}
 
@@ -189,7 +251,7 @@ def preflight_refusal(model: Any, check: Check, plugin_manager: Any) -> Outcome 
     from paraxis import ConfigError, ParallelConfig, PlanError
     from paraxis.config.run import TrainSection
     from paraxis.engine.apply import preflight
-    from paraxis_hf.coverage.shrink import SEQ
+    from paraxis_hf.shrink import SEQ
 
     config = ParallelConfig.from_kwargs(**check.kwargs)
     try:
@@ -202,24 +264,56 @@ def preflight_refusal(model: Any, check: Check, plugin_manager: Any) -> Outcome 
     return None
 
 
-def compare(reference: dict[str, Any], results: list[dict[str, Any]]) -> Outcome:
-    """A check's cell from the reference and every rank's result."""
+def compare(reference: dict[str, Any], results: list[dict[str, Any]],
+            check: Check | None = None) -> Outcome:
+    """A check's cell from the reference and every rank's result: the per-parameter
+    gradients, the per-step losses and gradient norms, then the shard proof."""
+    from paraxis.testing.parity import assert_same_gradients
     from paraxis.testing.tolerance import assert_losses_close
 
     refused = {r["refused"] for r in results if "refused" in r}
-    errors = [r["error"] for r in results if "error" in r]
+    errors = [r.get("error") or r["defect"] for r in results if "error" in r or "defect" in r]
     if refused and not errors and len(refused) == 1 and len(results) == len(
             [r for r in results if "refused" in r]):
         return Outcome("refused", refused.pop())
     if errors or refused:
         return Outcome("fail", (errors or sorted(refused))[0])
+    if "grads" in reference and all("grads" in r for r in results):
+        try:
+            assert_same_gradients([r["grads"] for r in results], reference["grads"])
+        except AssertionError as exc:
+            return Outcome("fail", " ".join(str(exc).split())[:300])
     for r in results:
         for key, what in (("losses", "loss"), ("norms", "gradient norm")):
             try:
                 assert_losses_close(r[key], reference[key], what)
             except AssertionError:
                 return Outcome("fail", _mismatch(what, r[key], reference[key]))
-    return Outcome("pass")
+    return _proven(check, results)
+
+
+def _proven(check: Check | None, results: list[dict[str, Any]]) -> Outcome:
+    """A pass once the shard proof holds (for an axis that shards), saying what it saw."""
+    proofs = [r["proof"] for r in results if "proof" in r]
+    if check is None or check.axis not in SHARDING or len(proofs) != len(results):
+        return Outcome("pass")
+    axis = SHARDING[check.axis]
+    worst = max(p["bytes"] / p["whole"] for p in proofs)
+    for rank, p in enumerate(proofs):
+        moved = p["sharded"][axis] + (p["handed_over"] if axis == "pipeline" else 0)
+        if not moved or p["bytes"] >= p["whole"]:
+            return Outcome("fail", f"rank {rank} sharded nothing over {axis}: it holds "
+                           f"{p['bytes']:,} parameter bytes of the whole model's "
+                           f"{p['whole']:,}")
+        if p["bytes"] != p["claimed"]:
+            return Outcome("fail", f"rank {rank} holds {p['bytes']:,} parameter bytes, its "
+                           f"placements claim {p['claimed']:,}")
+    p = proofs[0]
+    moved = (f"{p['sharded'][axis]} parameters sharded" if axis != "pipeline" else
+             f"{p['handed_over']} modules handed to the other stage")
+    kept = p["experts_replicated_over_tensor"]
+    note = f"; experts of {kept} block(s) replicated over tensor" if kept else ""
+    return Outcome("pass", f"{moved}, ranks hold at most {worst:.2f} of the model{note}")
 
 
 def split_explained(reference: dict[str, Any], split: dict[str, Any],
@@ -238,7 +332,7 @@ def split_explained(reference: dict[str, Any], split: dict[str, Any],
     itself = compare(reference, [split])
     if itself.status != "fail":
         return cell
-    return Outcome("pass", f"ill-conditioned: equal to one process accumulating the same "
+    return Outcome("explained", f"ill-conditioned: equal to one process accumulating the same "
                    f"{parts} shares, which differs from one process on whole batches by "
                    f"more than the tolerance ({itself.detail}); ranks against whole "
                    f"batches: {cell.detail}")

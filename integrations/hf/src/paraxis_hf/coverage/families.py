@@ -4,7 +4,7 @@ Every model type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` is a row. A type is *n
 text-only causal LM* (left out of the matrix's denominators, and listed) when its
 causal-LM class takes another modality's input, or its config is another modality's or
 an encoder-decoder's (:func:`not_text_only`). Every other type gets a tiny model from
-:func:`paraxis_hf.coverage.shrink.tiny_config`, tried with the shrinker's relaxations in
+:func:`paraxis_hf.shrink.tiny_config`, tried with the shrinker's relaxations in
 turn (:func:`build_family`) until one builds, runs a forward and backward on token ids
 alone and stays small; otherwise the first reason is recorded.
 """
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paraxis_hf.coverage.shrink import RELAXATIONS, SEQ, VOCAB, first_line, tiny_config
+from paraxis_hf.shrink import RELAXATIONS, SEQ, VOCAB, first_line, tiny_config
 
 __all__ = ["MAX_PARAMS", "Family", "build_family", "build_model", "causal_lm_types",
            "not_text_only", "shipped_plans"]

@@ -13,11 +13,12 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from paraxis_hf.coverage.checks import Check, Outcome
+from paraxis_hf.coverage.checks import STATUSES, Check, Outcome
 from paraxis_hf.coverage.families import Family
 from paraxis_hf.coverage.runner import OWN_LOSS, Row
 
-__all__ = ["PLAN_OF", "TARGETS", "counts", "render", "rows_from_json", "rows_to_json"]
+__all__ = ["PLAN_OF", "README_BEGIN", "README_END", "TARGETS", "counts", "readme_table", "render",
+           "rows_from_json", "rows_to_json", "with_readme_table"]
 
 # Which shipped plan a column needs, and the share of those types that must pass.
 PLAN_OF = {"tensor=2": "tensor", "tensor=2 SP": "tensor", "pipeline=2": "pipeline",
@@ -35,13 +36,14 @@ def _denominator(rows: Sequence[Row], column: str) -> list[Row]:
 
 
 def counts(rows: Sequence[Row], columns: Sequence[str]) -> dict[str, dict[str, int]]:
-    """Per column: pass / fail / refused among its denominator, and the denominator."""
+    """Per column: how many cells of each status among its denominator, and the
+    denominator."""
     out = {}
     for column in columns:
         mine = _denominator(rows, column)
         cells = [r.cells.get(column) for r in mine]
         out[column] = {s: sum(1 for c in cells if c is not None and c.status == s)
-                       for s in ("pass", "fail", "refused")}
+                       for s in STATUSES}
         out[column]["of"] = len(mine)
     return out
 
@@ -60,16 +62,21 @@ def _summary(rows: Sequence[Row], columns: Sequence[str]) -> list[str]:
     line = "; ".join(f"**{col}** {c[col]['pass']}/{c[col]['of']} pass" for col in columns)
     out = [f"{len(rows)} causal-LM model types: {len(text)} text-only, {len(built)} of them "
            f"build a tiny model. {line}.", "",
-           "| column | denominator | pass | fail | refused | target |",
-           "| --- | --- | --- | --- | --- | --- |"]
+           "Statuses: **pass** (parity of every parameter's gradient, the losses and the "
+           "gradient norms, and for tensor, pipeline and expert the shard proof); "
+           "**explained** (a pass with a stated cause for a difference, counted apart); "
+           "**refused** (a layout `parallelize` declines, with the reason); **fail** (the "
+           "parity probe or the run found a difference, or it crashed).", "",
+           "| column | denominator | pass | explained | refused | fail | target |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
     for col in columns:
         den = (f"types shipping a {PLAN_OF[col]} plan" if col in PLAN_OF
                else "text-only types that build")
         target = TARGETS.get(col)
         met = "" if target is None else (
             f"{target:.0%}: {'met' if c[col]['pass'] >= target * c[col]['of'] else 'NOT met'}")
-        out.append(f"| {col} | {c[col]['of']} {den} | {c[col]['pass']} | {c[col]['fail']} | "
-                   f"{c[col]['refused']} | {met} |")
+        out.append(f"| {col} | {c[col]['of']} {den} | {c[col]['pass']} | "
+                   f"{c[col]['explained']} | {c[col]['refused']} | {c[col]['fail']} | {met} |")
     return out
 
 
@@ -121,3 +128,30 @@ def rows_from_json(text: str) -> list[Row]:
         rows.append(Row(Family(**fam), {k: Outcome(**v) for k, v in item["cells"].items()},
                         item["seconds"]))
     return rows
+
+
+README_BEGIN = "<!-- coverage-table: generated from docs/coverage.md by paraxis_hf.coverage -->"
+README_END = "<!-- /coverage-table -->"
+
+
+def readme_table(coverage_md: str) -> str:
+    """The README's table, read from docs/coverage.md's summary table (never typed)."""
+    lines = ["| layout | pass | explained | refused | fail | of |",
+             "| --- | ---: | ---: | ---: | ---: | --- |"]
+    for line in coverage_md.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 7 or not cells[2].isdigit():
+            continue
+        column, denominator, *numbers, _ = cells
+        if column == OWN_LOSS:
+            continue
+        lines.append(f"| `{column}` | " + " | ".join(numbers) + f" | {denominator} |")
+    return "\n".join(lines)
+
+
+def with_readme_table(readme: str, coverage_md: str) -> str:
+    """``readme`` with the block between :data:`README_BEGIN` and :data:`README_END`
+    replaced by :func:`readme_table`."""
+    head, rest = readme.split(README_BEGIN, 1)
+    _, tail = rest.split(README_END, 1)
+    return f"{head}{README_BEGIN}\n{readme_table(coverage_md)}\n{README_END}{tail}"

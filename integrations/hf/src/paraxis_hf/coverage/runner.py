@@ -14,6 +14,7 @@ are answered here, by the same code, without the ranks.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -46,12 +47,19 @@ class Row:
     seconds: float = 0.0
 
 
+# One task at a time per world: the next family's reference runs on the world of one in a
+# thread (run_matrix) while a check's drift runs may use it too; a world answers its
+# tasks in order, so two threads sharing one would take each other's results.
+_WORLD_LOCKS: dict[int, threading.Lock] = {1: threading.Lock(), 2: threading.Lock()}
+
+
 def _run(worlds: Any, size: int, fn: Callable[..., Any], *args: Any,
          timeout: float) -> list[dict[str, Any]]:
     """``fn`` on the world of ``size``; a world that failed as a whole (a rank died, did
     not answer) is restarted by the pool on next use, and reported as every rank's error."""
     try:
-        return worlds.run(size, fn, *args, timeout=timeout)
+        with _WORLD_LOCKS.setdefault(size, threading.Lock()):
+            return worlds.run(size, fn, *args, timeout=timeout)
     except RankFailure as exc:
         lines = [ln for ln in str(exc).splitlines() if ln.strip()]
         reason = next((ln for ln in lines if "did not answer" in ln), lines[-1] if lines else "")
@@ -116,6 +124,27 @@ def _has_experts(model: Any) -> bool:
     return any(isinstance(getattr(m, "experts", None), nn.Module) for m in model.modules())
 
 
+def _judge_drift(prepared: Prepared, check: Check, results: list[dict[str, Any]],
+                 cell: Outcome, worlds: Any, *, timeout: float) -> Outcome:
+    """A failing run judged from the reference's weights and against float64
+    (:mod:`paraxis_hf.coverage.drift`): three more runs, for failing cells only."""
+    from paraxis_hf.coverage.drift import anchored_run, drift_explained, exact_run, recorded_run
+
+    family = prepared.family
+    mb = check.microbatches if check.microbatches in prepared.accumulated else 1
+    recorded = _run(worlds, 1, recorded_run, family.model_type, family.overrides, mb,
+                    timeout=timeout)[0]
+    if "weights" not in recorded:
+        return cell
+    exact = _run(worlds, 1, exact_run, family.model_type, family.overrides, mb,
+                 timeout=timeout)[0]
+    anchored = _run(worlds, check.world, anchored_run, family.model_type, family.overrides,
+                    check.kwargs, recorded.pop("weights"), timeout=timeout)
+    if _maybe_out_of_step(anchored):
+        worlds.restart(check.world)
+    return drift_explained(recorded, exact, anchored, results, cell)
+
+
 def run_checks(prepared: Prepared, checks: Iterable[Check], worlds: Any, *,
                timeout: float = CHECK_TIMEOUT) -> Row:
     """The row of a prepared family: each check against its reference."""
@@ -142,11 +171,13 @@ def run_checks(prepared: Prepared, checks: Iterable[Check], worlds: Any, *,
             continue
         results = _run(worlds, check.world, parallel_run, family.model_type,
                        family.overrides, check.kwargs, timeout=timeout)
-        cell = compare(want, results)
+        cell = compare(want, results, check)
         if cell.status == "fail" and _data_only(check) and not _has_experts(model):
             split = _run(worlds, 1, reference_run, family.model_type, family.overrides,
                          check.world, timeout=timeout)[0]
             cell = split_explained(want, split, results, cell, check.world)
+        if cell.status == "fail" and all("losses" in r for r in results):
+            cell = _judge_drift(prepared, check, results, cell, worlds, timeout=timeout)
         row.cells[check.name] = dataclasses.replace(cell, seconds=time.perf_counter() - began)
         if _maybe_out_of_step(results):
             worlds.restart(check.world)

@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from paraxis.config.errors import ConfigError
+from paraxis.config.errors import ConfigError, Problem
 from paraxis.config.parallel import ParallelConfig
 from paraxis.config.rules import validate
 from paraxis.config.run import TrainSection
 from paraxis.config.shape import ModelShape
 from paraxis.engine.engine import Engine
+from paraxis.engine.masks import MaskSupport, measure_masks
 from paraxis.engine.optim import WarmupCosine, build_adamw
 from paraxis.engine.plugins import make_plugin_manager
 from paraxis.engine.probe import Probe
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
     import pluggy
 
 __all__ = ["apply_parallelism", "apply_strategies", "build_optimizer", "parallelize",
-           "preflight"]
+           "preflight", "probe_twin"]
 
 
 def build_optimizer(model: nn.Module, ctx: ApplyContext,
@@ -124,18 +125,25 @@ def parallelize(
                                         model_shape=model_shape, plugin_manager=pm)
 
     init_distributed()
+    lazy = deferred(model)  # on the meta device until each rank reads its slices
+    probed, masks = ("none (verify=False)" if not verify else "whole model"), None
+    if verify and lazy:  # no whole model: its twin's probe (and masks) stand for it
+        probed, masks = probe_twin(model, config, train=train_cfg, plan=plan,
+                                   plugin_manager=pm)
     grid = Grid.build(config)
     device = device_for_rank()
-    lazy = deferred(model)  # on the meta device until each rank reads its slices
     if not lazy:
         model.to(device)
     probe = None
-    # The probe runs the whole model before the split: a deferred model has no whole.
+    vocab = model_shape.vocab_size if model_shape else getattr(
+        getattr(model, "config", None), "vocab_size", None)
+    if verify and not lazy:
+        masks = measure_masks(model, vocab or 2, model_plan.extra.get("forward_kwargs", {}))
+    # The probe runs the whole model before the split.
     if verify and grid.world_size > 1 and not lazy:
-        vocab = model_shape.vocab_size if model_shape else getattr(
-            getattr(model, "config", None), "vocab_size", None)
         probe = Probe.before(model, config, seq_length=train_cfg.seq_length, vocab=vocab,
-                             forward_kwargs=model_plan.extra.get("forward_kwargs", {}))
+                             forward_kwargs=model_plan.extra.get("forward_kwargs", {}),
+                             shape=model_shape)
     model, ctx = apply_parallelism(model, grid=grid, config=config, plugin_manager=pm,
                                    plan=model_plan)
     if optimizer is None:
@@ -148,7 +156,38 @@ def parallelize(
     if probe is not None and ctx.skip_verify is None:
         axes = " x ".join(f"{a} {d}" for a, d in config.degrees.items() if d > 1)
         probe.check(engine, axes)
+    ctx.extras["probe"] = probed if ctx.skip_verify is None else f"none: {ctx.skip_verify}"
+    if masks is not None:
+        engine.masks = masks
     return engine
+
+
+def probe_twin(model: nn.Module, config: ParallelConfig, *, train: TrainSection,
+               plan: ModelPlan | None, plugin_manager: Any) -> tuple[str, MaskSupport]:
+    """The parity probe of a model that cannot run whole on a rank (its weights wait on
+    the meta device): a shrunk twin of the same family (``paraxis_twin_model``) goes
+    through ``parallelize`` with the same layout and plan, probed against itself in one
+    process; its refusal is the model's. Returns what was probed and the twin's
+    :class:`~paraxis.engine.masks.MaskSupport` (the family's). Collective."""
+    reason = "no installed plugin builds one"
+    try:
+        twin = plugin_manager.hook.paraxis_twin_model(model=model, config=config)
+    except ValueError as exc:
+        twin, reason = None, str(exc)
+    if twin is None:
+        raise ConfigError([Problem(
+            "verify", True, f"{type(model).__name__} cannot run whole on one rank, so the "
+            f"parity probe needs a shrunk twin of it, and there is none: {reason}",
+            "pass verify=False to train without the parity probe, knowing that no check "
+            "compared this layout with one process")])
+    twin_train = train.model_copy(update={"seq_length": min(train.seq_length, 64)})
+    engine = parallelize(twin, config=config, train=twin_train, plan=plan,
+                         plugin_manager=plugin_manager, verify=True)
+    masks = engine.masks
+    engine.close()
+    size = sum(p.numel() for p in twin.parameters())
+    return (f"twin: {type(twin).__name__} of {size:,} parameters through the same layout",
+            masks)
 
 
 def apply_strategies(model: nn.Module, ctx: ApplyContext,

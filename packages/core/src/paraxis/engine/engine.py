@@ -10,8 +10,8 @@ The loss is the mean next-token cross-entropy over every non-ignored target of t
 all-reduce per step, counted after the batch transforms, so an axis that splits the
 sequence does not multiply it), so ranks with different numbers of ``-100`` labels
 still average exactly as a single process would. Auxiliary losses
-(:mod:`paraxis.parallel.batch`)
-are added to what is back-propagated and reported apart. The engine is a
+(:mod:`paraxis.parallel.aux_losses`) are added to what is back-propagated and reported
+apart. The engine is a
 :class:`~paraxis.checkpoint.state.TrainState`: ``save`` and ``load`` hand it to
 :mod:`paraxis.checkpoint`.
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ from paraxis.config.parallel import ParallelConfig
 from paraxis.config.run import TrainSection
 from paraxis.config.shape import ModelShape
 from paraxis.engine.loss import causal_lm_loss_sum
+from paraxis.engine.masks import MaskSupport
 from paraxis.engine.metrics import Tracer, memory_stats, model_flops_per_token, step_metrics
 from paraxis.engine.optim import WarmupCosine
 from paraxis.parallel.batch import Batch
@@ -70,10 +71,10 @@ class Engine:
         self.loss_fn = ctx.loss_fn or causal_lm_loss_sum
         self._flops_per_token = model_flops_per_token(model, model_shape)
         self._fp32_only = False  # the parity probe compares fp32 with fp32
-        # Set by the trainer (paraxis.train.lifecycle.StopRequest): a signal asks every rank to
-        # stop after the same step; the per-step all-gather carries the flag.
-        self.stop_request: Any = None
+        # A signal asks every rank to stop after the same step (the trainer's StopRequest;
+        self.stop_request: Any = None  # the per-step all-gather carries the flag)
         self._saver: AsyncSaver | None = None  # on the first async save
+        self.masks = MaskSupport(checked=False)  # what parallelize measured of the masks
 
     @property
     def rng_streams(self) -> Mapping[str, Any]:
@@ -96,6 +97,7 @@ class Engine:
     def _prepare(self, batch: Any) -> tuple[Batch, torch.Tensor]:
         """This rank's Batch after every axis' transform, and the global token count."""
         batch = Batch.from_user(batch)
+        self.masks.refuse(batch, self.plan.model_class)
         for transform in self.ctx.batch_transforms:
             batch = transform(batch)
         batch = batch.to(self.device)
@@ -230,12 +232,13 @@ class Engine:
         finally:
             self._fp32_only = False
 
-    def probe_grad_norm(self, batch: Any, *, train_mode: bool = False) -> float:
-        """The global gradient norm of this global batch's mean loss, back-propagated
+    @contextlib.contextmanager
+    def fp32_backward(self, batch: Any, *, train_mode: bool = False) -> Iterator[None]:
+        """Within it, the gradients of this global batch's mean loss, back-propagated
         through every axis in fp32 and eval mode (train mode if ``train_mode``: a
-        dropout-free model whose backward needs it), without stepping; gradients are
-        cleared after (the parity probe). Auxiliary losses are left out, as in the
-        model's own."""
+        dropout-free model whose backward needs it) and synchronized, without stepping;
+        cleared on exit. The parity probe and the gradient parity checks read them
+        (auxiliary losses left out, as in the model's own)."""
         self.model.train(train_mode)
         self._fp32_only = True
         try:
@@ -249,9 +252,7 @@ class Engine:
             else:
                 self._forward_backward(microbatches, scale, 0.0)
             self.ctx.finish_grad_sync()
-            clip = getattr(self.optimizer, "clip_grad_norm", None)
-            return float(clip(0.0) if clip is not None else
-                         clip_grad_norm(self.params, 0.0, self.grid))
+            yield
         finally:
             self._fp32_only = False
             self.optimizer.zero_grad(set_to_none=True)
@@ -261,8 +262,8 @@ class Engine:
     # ---- state -----------------------------------------------------------------------
 
     def close(self) -> None:
-        """Release the model, optimizer and grid groups (collective). The default group
-        stays; :func:`paraxis.shutdown` leaves it."""
+        """Release the model, optimizer and grid groups (collective); the default group
+        stays (:func:`paraxis.shutdown` leaves it)."""
         self.wait_for_checkpoint()
         for sync in self.ctx.grad_syncs:
             remove = getattr(sync, "remove_hooks", None)

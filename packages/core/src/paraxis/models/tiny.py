@@ -53,13 +53,17 @@ class _Attention(nn.Module):
         self.num_heads = cfg.num_heads
         self.qkv = nn.Linear(h, 3 * h, bias=False)
         self.out = nn.Linear(h, h, bias=False)
+        # Set by TinyTransformer for each forward: (b, 1, s, s) bool, or None (causal).
+        # An attribute, not an argument, so plans and hooks see the block's one input.
+        self.mask: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         qkv = self.qkv(x)
         q, k, v = qkv.view(b, s, 3, self.num_heads, -1).unbind(2)
         a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                           v.transpose(1, 2), is_causal=True)
+                                           v.transpose(1, 2), attn_mask=self.mask,
+                                           is_causal=self.mask is None)
         return self.out(a.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -96,22 +100,50 @@ class TinyTransformer(nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor | None = None,
                       inputs_embeds: torch.Tensor | None = None,
-                      position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """The final norm's output (the head's input)."""
+                      position_ids: torch.Tensor | None = None,
+                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The final norm's output (the head's input). ``attention_mask`` (b, s) masks
+        padded keys; ``position_ids`` that restart at 0 start a new document, which no
+        token attends across (as transformers does for packed rows)."""
         if inputs_embeds is None:
             assert input_ids is not None
             if position_ids is None:
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
             inputs_embeds = self.embed(input_ids, position_ids)
         x = inputs_embeds
+        mask = _attention_mask(x.shape[1], position_ids, attention_mask, x.device)
         for layer in self.layers:
+            attn = getattr(layer, "attn", None)
+            if attn is not None:
+                attn.mask = mask
             x = layer(x)
         return self.norm(x)
 
     def forward(self, input_ids: torch.Tensor | None = None,
                 inputs_embeds: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self.head(self.hidden_states(input_ids, inputs_embeds, position_ids))
+                position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.head(self.hidden_states(input_ids, inputs_embeds, position_ids,
+                                            attention_mask))
+
+
+def _attention_mask(s: int, position_ids: torch.Tensor | None,
+                    attention_mask: torch.Tensor | None,
+                    device: torch.device) -> torch.Tensor | None:
+    """(b, 1, s, s) bool: causal, within a document, to real keys (a row with no real
+    key sees itself, so a pad's output stays finite); None when plain causal will do."""
+    restarts = position_ids is not None and bool((position_ids.reshape(-1, s)[:, 1:] == 0).any())
+    if not restarts and attention_mask is None:
+        return None
+    causal = torch.ones(s, s, dtype=torch.bool, device=device).tril()[None]
+    if restarts:
+        starts = position_ids.reshape(-1, s) == 0
+        starts[:, 0] = True
+        docs = starts.long().cumsum(-1)
+        causal = causal & (docs[:, :, None] == docs[:, None, :])
+    if attention_mask is not None:
+        causal = causal & attention_mask.bool()[:, None, :]
+    return (causal | torch.eye(s, dtype=torch.bool, device=device)[None])[:, None]
 
 
 class TinyCalls:

@@ -187,3 +187,17 @@ def paraxis_pipeline_bubble(schedule: str, stages: int, microbatches: int,
     read one definition of each schedule. Without it the planner uses the closed form.
     firstresult.
     """
+
+
+@hookspec(firstresult=True)
+def paraxis_twin_model(model: Any, config: ParallelConfig) -> Any:
+    """A shrunk twin of ``model`` for the layout ``config`` (same class and plan, tiny
+    sizes that the layout's degrees divide, weights on the CPU), or None if this plugin
+    does not know the model; raise ``ValueError`` naming why a model it knows cannot be
+    shrunk.
+
+    Called by :func:`paraxis.engine.apply.parallelize` for a model that cannot run whole
+    on one rank (its weights wait on the meta device), whose parity probe then runs on
+    the twin through the same layout. paraxis-hf answers for transformers models.
+    firstresult.
+    """

@@ -17,7 +17,7 @@ from paraxis.parallel.placement import placement_of
 from paraxis.runtime.collectives import all_reduce_
 from paraxis.runtime.grid import Grid
 
-__all__ = ["clip_grad_norm", "grad_norm"]
+__all__ = ["clip_grad_norm", "grad_norm", "grad_norms_by_name"]
 
 
 def grad_norm(params: Iterable[nn.Parameter], grid: Grid) -> torch.Tensor:
@@ -50,3 +50,23 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, grid: Grid) -> f
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm.float())
     return float(norm)
+
+
+def grad_norms_by_name(params: Iterable[nn.Parameter], grid: Grid,
+                       names: list[str]) -> torch.Tensor:
+    """Each named parameter's global gradient norm (float64, in the order of ``names``),
+    every element counted once as in :func:`grad_norm`; one all-reduce of a vector over
+    the grid. A name no rank holds (or whose gradient is None everywhere) reads 0.
+    Collective: every rank passes the same ``names``."""
+    index = {name: i for i, name in enumerate(names)}
+    params = list(params)
+    device = params[0].device if params else torch.device("cpu")
+    local = torch.zeros(len(names), dtype=torch.float64, device=device)
+    for p in params:
+        rec = placement_of(p)
+        if p.grad is None or rec.mirror or rec.name not in index:
+            continue
+        copies = math.prod(grid.size(a) for a in rec.replicated)
+        local[index[rec.name]] += p.grad.detach().double().pow(2).sum() / copies
+    all_reduce_(local, grid.world)
+    return local.sqrt()

@@ -1,24 +1,44 @@
-"""How far two orders of the same fp32 arithmetic may disagree: the one number that both
+"""How far two orders of the same fp32 arithmetic may disagree: the one rule that both
 paraxis's own checks (pipeline stages against the whole model, the parity probe at
 ``parallelize``) and every parity test (:mod:`paraxis.testing.tolerance`) derive from.
 
 A parallel run and its one-process reference do the same arithmetic in a different
 order: an all-reduce of partial sums instead of one matmul, a reduce-scatter instead of
 a full sum, another microbatch split. In fp32 (unit roundoff u = 2^-24 ≈ 6e-8) a sum of
-n terms computed in two orders differs by about u·√n relative (rounding errors add as a
-random walk), so a reduction over up to n ≈ 2.5·10^4 terms (more than any matmul inner
-dimension or token sum of the models paraxis is tested with) differs by ≲ 1e-5
-relative: :data:`REDUCTION_RTOL`. Any real defect (a position added twice, a layer run
-twice, a gradient summed once too often) is orders of magnitude larger.
+n terms computed in two orders differs by about u·√n relative: rounding errors that are
+independent and of either sign add as a random walk (Higham and Mary's probabilistic
+bound, SIAM J. Sci. Comput. 2019; the worst case, n·u, needs every rounding to go the
+same way and is not what sums of activations and gradients do). That estimate, not a
+worst-case bound, is what is *derived* here; that real runs stay inside it is
+*measured* (every parity test and coverage cell checks it).
+
+:data:`REDUCTION_RTOL` (1e-5) covers n ≤ :data:`LARGEST_REDUCTION` = 2.5·10^4 terms: the
+matmul inner dimensions and token sums of the models paraxis is tested with. A longer
+reduction (a 150k-token vocabulary's log-sum-exp and the head's input gradient, a
+million-token batch) gets :func:`reduction_rtol` of its length: the parity probe
+computes the longest reduction it runs and uses that. Any real defect (a position added
+twice, a layer run twice, a gradient summed once too often) is orders of magnitude
+larger.
 """
 
 from __future__ import annotations
 
 import math
 
-__all__ = ["FP32_UNIT_ROUNDOFF", "LARGEST_REDUCTION", "REDUCTION_RTOL"]
+__all__ = ["FP32_UNIT_ROUNDOFF", "LARGEST_REDUCTION", "REDUCTION_RTOL", "reduction_rtol"]
 
 FP32_UNIT_ROUNDOFF = 2.0 ** -24
 LARGEST_REDUCTION = 25_000
 REDUCTION_RTOL = 1e-5
 assert FP32_UNIT_ROUNDOFF * math.sqrt(LARGEST_REDUCTION) <= REDUCTION_RTOL
+
+
+def reduction_rtol(longest: int, unit_roundoff: float = FP32_UNIT_ROUNDOFF) -> float:
+    """The relative tolerance for arithmetic whose longest reduction sums ``longest``
+    terms: u·√n rounded up to one significant digit, and never below
+    :data:`REDUCTION_RTOL` in fp32 (``unit_roundoff`` for another dtype)."""
+    bound = unit_roundoff * math.sqrt(max(longest, 1))
+    digits = 10.0 ** math.floor(math.log10(bound))
+    rounded = float(f"{math.ceil(bound / digits) * digits:.1e}")
+    floor = REDUCTION_RTOL if unit_roundoff == FP32_UNIT_ROUNDOFF else 0.0
+    return max(rounded, floor)

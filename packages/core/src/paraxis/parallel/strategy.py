@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from paraxis.config.errors import Problem
-from paraxis.parallel.batch import AuxLosses, Batch
+from paraxis.parallel.aux_losses import AuxLosses
+from paraxis.parallel.batch import Batch
 
 if TYPE_CHECKING:
     from paraxis.config.parallel import ParallelConfig

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
+from paraxis.checkpoint.format import optimizer_params
 from paraxis.parallel.placement import Placement, placement_of
-from paraxis.testing.tolerance import assert_weights_close
+from paraxis.testing.tolerance import assert_gradients_close, assert_weights_close
 
-__all__ = ["assemble", "assert_same_weights", "local_shards", "train_on_random_tokens"]
+__all__ = ["assemble", "assert_same_gradients", "assert_same_weights", "local_gradients",
+           "local_shards", "random_token_shares", "train_on_random_tokens"]
+
+Shards = dict[str, tuple[torch.Tensor, Placement]]
 
 
 def local_shards(model: nn.Module) -> dict[str, tuple[torch.Tensor, Placement]]:
@@ -20,7 +26,42 @@ def local_shards(model: nn.Module) -> dict[str, tuple[torch.Tensor, Placement]]:
     return out
 
 
-def assemble(per_rank: list[dict[str, tuple[torch.Tensor, Placement]]]) -> dict[str, torch.Tensor]:
+def local_gradients(engine: Any, batch: Any) -> Shards:
+    """This rank's gradients of its share of a global ``batch`` (the mean loss through
+    every axis, synchronized, before any clipping or step), by global name with their
+    placements: what the optimizer steps (a sharding optimizer's shards), mirrors left
+    out; a parameter the loss does not reach reads zeros (a data-parallel bucket gives
+    it zeros, one process None: the same gradient). Gradients are cleared after; the
+    engine's state is untouched. A model whose backward needs train mode (Reformer's
+    reversible layers; dropout-free, as the probe requires) is run in it."""
+    try:
+        return _gradients(engine, batch, train_mode=False)
+    except AssertionError:  # Reformer asserts ``training`` in its backward
+        with torch.random.fork_rng(devices=[]):
+            return _gradients(engine, batch, train_mode=True)
+
+
+def _gradients(engine: Any, batch: Any, *, train_mode: bool) -> Shards:
+    out: Shards = {}
+    with engine.fp32_backward(batch, train_mode=train_mode):
+        for p in optimizer_params(engine.optimizer):
+            rec = placement_of(p)
+            if not rec.mirror:
+                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                out[rec.name] = (grad.detach().clone(), rec)
+    return out
+
+
+def assert_same_gradients(per_rank: list[Shards], reference: Shards) -> None:
+    """Every parameter's gradient, assembled from the ranks (replicas must agree), equals
+    one process's, element by element at the one-step tolerance
+    (:func:`paraxis.testing.tolerance.assert_gradients_close`); none missing or extra."""
+    full, ref = assemble(per_rank), assemble([reference])
+    assert full.keys() == ref.keys(), sorted(full.keys() ^ ref.keys())
+    assert_gradients_close(full, ref)
+
+
+def assemble(per_rank: list[Shards]) -> dict[str, torch.Tensor]:
     """Full tensors from every rank's shards (padding dropped, packed blocks rejoined).
     Asserts that replicas of the same region agree exactly."""
     full: dict[str, torch.Tensor] = {}
@@ -44,22 +85,33 @@ def _place(target: torch.Tensor, local: torch.Tensor, rec: Placement) -> None:
         tgt.copy_(loc)
 
 
-def train_on_random_tokens(engine, *, steps: int, batch: int, seq: int, vocab: int,
-                           seed: int = 3, ignored: int = 9) -> list[float]:
-    """Train ``steps`` global batches of random tokens, each rank on its sample shard;
-    the first ``ignored`` labels of sample 0 are -100, so shards hold uneven token
-    counts. Returns the per-step losses the engine reported."""
+def random_token_shares(engine: Any, *, steps: int, batch: int, seq: int, vocab: int,
+                        seed: int = 3, ignored: int = 9) -> list[dict[str, torch.Tensor]]:
+    """This rank's share of ``steps`` global batches of random tokens; the first
+    ``ignored`` labels of sample 0 are -100, so shards hold uneven token counts."""
     g = torch.Generator().manual_seed(seed)
     index, count = engine.grid.sample_shard()
     part = slice(index * batch // count, (index + 1) * batch // count)
-    losses = []
+    shares = []
     for _ in range(steps):
         ids = torch.randint(0, vocab, (batch, seq), generator=g)
         labels = ids.clone()
         labels[0, :ignored] = -100
-        losses.append(engine.train_step({"input_ids": ids[part],
-                                         "labels": labels[part]})["loss"])
-    return losses
+        shares.append({"input_ids": ids[part], "labels": labels[part]})
+    return shares
+
+
+def train_on_random_tokens(engine: Any, *, steps: int, batch: int, seq: int, vocab: int,
+                           seed: int = 3, ignored: int = 9, gradients: bool = False,
+                           ) -> Any:
+    """Train on :func:`random_token_shares`; return the per-step losses the engine
+    reported, and with ``gradients`` also the first batch's gradients before any step
+    (:func:`local_gradients`): ``(losses, gradients)``."""
+    shares = random_token_shares(engine, steps=steps, batch=batch, seq=seq, vocab=vocab,
+                                 seed=seed, ignored=ignored)
+    grads = local_gradients(engine, shares[0]) if gradients else None
+    losses = [engine.train_step(share)["loss"] for share in shares]
+    return (losses, grads) if gradients else losses
 
 
 def assert_same_weights(per_rank: list[dict[str, tuple[torch.Tensor, Placement]]],

@@ -1,5 +1,5 @@
 """The tiny sizes every family is shrunk to, and the spellings families use for them
-(data for :mod:`paraxis_hf.coverage.shrink`, which holds the rules)."""
+(data for :mod:`paraxis_hf.shrink`, which holds the rules)."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ from typing import Any
 __all__ = ["HEAD_DIM", "HIDDEN", "LAYERS", "RELAXATIONS", "ROLES", "SEQ", "VOCAB", "TinyConfig",
            "choose_layers", "first_line", "shrink_values", "tiny_config"]
 
-from paraxis_hf.coverage.sizes import (
+from paraxis_hf.sizes import (
     FIXED,
     FORCED,
     HEAD_DIM,
@@ -101,9 +101,11 @@ class _Context:
 
     @classmethod
     def of(cls, values: dict[str, Any], relax: frozenset[str],
-           token_map: dict[int, int]) -> _Context:
+           token_map: dict[int, int], keep: int = LAYERS) -> _Context:
+        """``keep``: how many layers the tiny config has (:data:`LAYERS` by default)."""
         layers = _first(values, "layers")
-        chosen = choose_layers(_per_layer_features(values, layers), layers) if layers else []
+        chosen = (choose_layers(_per_layer_features(values, layers), layers, keep)
+                  if layers else [])
         return cls(layers, _first(values, "positions"), chosen, relax, token_map)
 
 

@@ -1,0 +1,80 @@
+"""A shrunk twin of a transformers model, for the parity probe of a model that cannot run
+whole on one rank (pretrained weights loaded by slices, a model built on the meta
+device).
+
+The twin has the model's class and config, every size shrunk by the coverage matrix's
+rules (:mod:`paraxis_hf.shrink`: per-layer structure kept, dropout off), then grown
+where the layout needs it: query heads divisible by tensor (x context under Ulysses),
+key/value heads by tensor, experts by the expert degree, and at least one layer per
+pipeline stage and chunk. It runs the same plan through the same axes as the model;
+the probe compares it with itself in one process (paraxis.engine.probe).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from paraxis_hf.shrink import _ROLE_OF, _Context, first_line, shrink_values
+from paraxis_hf.sizes import EXPERTS, HEADS, KV_HEADS, LAYERS
+
+__all__ = ["twin_config", "twin_model"]
+
+
+def _sizes(config: Any) -> dict[str, int]:
+    """The layout's needs: role -> smallest multiple (heads, kv_heads, experts) or count
+    (layers)."""
+    par, sched = config.parallelism, config.schedule
+    ulysses = par.context if par.context_mode == "ulysses" else 1
+    return {"heads": par.tensor * ulysses, "kv_heads": par.tensor, "experts": par.expert,
+            "layers": par.pipeline * sched.virtual_stages}
+
+
+def twin_config(model_config: Any, layout: Any) -> Any:
+    """``model_config`` shrunk for ``layout`` (a ParallelConfig); raises with the reason
+    when the config cannot be shrunk."""
+    need = _sizes(layout)
+    values, cls = model_config.to_dict(), type(model_config)
+    keep = max(LAYERS, need["layers"])
+    ctx = _Context.of(values, frozenset(), {}, keep)
+    overrides = shrink_values(values, ctx, cls)
+    grown = {"heads": _multiple(HEADS, math.lcm(need["heads"], need["kv_heads"])),
+             "kv_heads": _multiple(KV_HEADS, need["kv_heads"]),
+             "experts": _multiple(EXPERTS, need["experts"]), "layers": len(ctx.chosen) or keep}
+    for key in list(overrides):
+        role = _ROLE_OF.get(key)
+        if role in grown and isinstance(overrides[key], int) and overrides[key] > 0:
+            overrides[key] = grown[role]
+    overrides["attn_implementation"] = getattr(model_config, "_attn_implementation", None)
+    twin = cls(**{k: v for k, v in overrides.items() if k != "attn_implementation"})
+    twin._attn_implementation = overrides["attn_implementation"]
+    return twin
+
+
+def _multiple(tiny: int, divisor: int) -> int:
+    """The smallest multiple of ``divisor`` at least ``tiny``."""
+    return divisor * math.ceil(tiny / max(divisor, 1))
+
+
+def twin_model(model: nn.Module, layout: Any) -> nn.Module | None:
+    """A twin of ``model`` for ``layout``, built from config in fp32 on the CPU with
+    seeded weights; None if ``model`` is not a transformers model."""
+    try:
+        from transformers import AutoModelForCausalLM, PreTrainedModel
+    except ImportError:
+        return None
+    if not isinstance(model, PreTrainedModel):
+        return None
+    try:
+        config = twin_config(model.config, layout)
+    except Exception as exc:
+        raise ValueError(f"cannot shrink {type(model).__name__}'s config to a twin: "
+                         f"{first_line(exc)}") from exc
+    config.dtype = torch.float32
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        twin = AutoModelForCausalLM.from_config(config)
+    return twin.float()
