@@ -49,3 +49,15 @@ def test_context_with_pipeline_ulysses_and_data(worlds):
     """Stages pass sequence-sharded hidden states; position ids reach every stage."""
     compare(worlds, "qwen2", {"context": 2, "pipeline": 2}, overrides=FAMILIES["qwen2"],
             steps=STEPS, seq=SEQ, batch=BATCH, microbatches=2, context_mode="ulysses")
+
+
+@pytest.mark.parametrize("family", ["roberta", "xlm-roberta-xl"])
+def test_positions_the_model_makes_itself_follow_the_shard(worlds, family):
+    """The RoBERTa family makes its own positions when given none (from padding_idx + 1,
+    skipping pads): each rank's shard gets those of its place in the whole row, made by
+    the model's own function (0..s-1 cut by the layout trained 4e-3 off one process)."""
+    from paraxis_hf.coverage import available_checks, build_family, causal_lm_types, run_family
+
+    checks = [c for c in available_checks() if c.name == "context=2"]
+    row = run_family(build_family(family, causal_lm_types()[family]), checks, worlds)
+    assert row.cells["context=2"].status == "pass", row.cells["context=2"].cell()

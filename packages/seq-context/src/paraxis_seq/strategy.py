@@ -36,6 +36,8 @@ the sequence length after this transform.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -73,11 +75,16 @@ class SequenceSplit:
     rank: int
     layout: str = "zigzag"
     documents: DocumentState = dataclasses.field(default_factory=DocumentState)
+    # The model's own rule for the positions it makes when given none (whole ids in,
+    # (b, s) out); None: 0..s-1.
+    positions: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __call__(self, batch: Batch) -> Batch:
         ids = batch.input_ids
         check_layout(ids.shape[1], self.size, self.layout)
         pos = batch.position_ids
+        if pos is None and self.positions is not None:
+            pos = self.positions(ids)
         if pos is None:
             pos = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
         docs = None
@@ -118,9 +125,24 @@ class ContextParallelStrategy(Strategy):
             names.append(use_context_attention(chunk, group, mode=mode, layout=layout,
                                                documents=documents))
             chunk.config.use_cache = False  # a cache would hold one shard's keys
-        ctx.batch_transforms.append(SequenceSplit(group.size, group.rank, layout, documents))
+        ctx.batch_transforms.append(SequenceSplit(group.size, group.rank, layout, documents,
+                                                  own_positions(model)))
         ctx.extras["context"] = _Applied(mode, layout, names[0], group)
         return model
+
+
+def own_positions(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The positions a model makes from its token ids when given none, where they are
+    not 0..s-1: the RoBERTa family counts from ``padding_idx + 1`` and skips pads
+    (``create_position_ids_from_input_ids``). A rank holding a shard of the sequence
+    would count from its shard's start, so the split computes them on the whole row
+    with the model's own function and cuts them like the ids."""
+    for module in model.modules():
+        make = getattr(module, "create_position_ids_from_input_ids", None)
+        pad = getattr(module, "padding_idx", None)
+        if callable(make) and isinstance(pad, int):
+            return functools.partial(make, padding_idx=pad)
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
