@@ -90,3 +90,43 @@ def test_a_head_entry_alone_is_no_pipeline_plan():
     with pytest.raises(PlanError, match="has no pipeline-parallel plan"):
         plan.require("pipeline")
 
+
+def _tiny(model_type: str, **overrides):
+    from paraxis_hf.coverage import build_family, causal_lm_types
+    from paraxis_hf.coverage.families import build_model
+
+    family = build_family(model_type, causal_lm_types()[model_type])
+    return build_model(model_type, {**family.overrides, **overrides})
+
+
+@pytest.mark.parametrize(("model_type", "refused"), [
+    ("doge", {"tensor": "dt_proj", "context": "prepare_dynamic_mask"}),
+    ("gemma3n_text", {"tensor": "_gaussian_topk", "sequence_parallel": "per-layer inputs"}),
+    ("gemma4_text", {"sequence_parallel": "per-layer inputs"}),
+    ("hrm_text", {"sequence_parallel": "two layer stacks"}),
+    ("llama", {}),
+])
+def test_layouts_a_model_cannot_run_are_named_with_the_cause(model_type, refused):
+    """Each was a coverage defect (a wrong loss or a shape error the probe caught);
+    now parallelize refuses the layout before any process group, saying why."""
+    plan = find_plan(_tiny(model_type), make_plugin_manager(), None)
+    assert sorted(plan.unsupported) == sorted(refused)
+    for layout, cause in refused.items():
+        assert cause in plan.unsupported[layout]
+
+
+def test_activation_sparsity_off_lets_gemma3n_shard():
+    """The rule reads the model: without activation sparsity gemma3n's MLP splits."""
+    model = _tiny("gemma3n_text", activation_sparsity_pattern=[0.0] * 4)
+    assert "tensor" not in find_plan(model, make_plugin_manager(), None).unsupported
+
+
+def test_an_unsupported_layout_fails_before_any_process_group():
+    import torch.distributed as dist
+
+    import paraxis
+    from paraxis import ConfigError
+
+    with pytest.raises(ConfigError, match=r"parallelism.context = 2: DogeForCausalLM: "):
+        paraxis.parallelize(_tiny("doge"), context=2, train={"seq_length": 16})
+    assert not dist.is_initialized()

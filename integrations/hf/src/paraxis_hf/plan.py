@@ -21,6 +21,7 @@ from typing import Any
 from torch import nn
 
 from paraxis.parallel.model_plan import ModelPlan
+from paraxis_hf.limits import unsupported_layouts
 
 __all__ = ["hf_plan"]
 
@@ -84,6 +85,7 @@ def hf_plan(model: nn.Module) -> ModelPlan:
         pipeline=pipeline,
         experts=experts,
         source=source,
+        unsupported=unsupported_layouts(model),
         extra={
             # Training needs no KV cache; building one costs memory every step.
             "forward_kwargs": {"use_cache": False},

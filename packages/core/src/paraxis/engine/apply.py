@@ -70,6 +70,7 @@ def preflight(model: nn.Module, config: ParallelConfig, *, train: TrainSection,
     # cannot intercept) is reported with the configuration's problems, all at once.
     module_problems = [p for cls in installed_strategies(config, pm, has_experts=experts)
                        for p in cls.check_model(model, config, model_plan)]
+    module_problems += model_plan.refusals(config)
     try:
         validate(config, world_size=world_size or launched_world_size(), model=model_shape,
                  plugin_manager=pm, extra=module_problems)

@@ -13,6 +13,8 @@ from typing import Any
 
 from torch import nn
 
+from paraxis.config.errors import Problem
+
 __all__ = ["ModelPlan", "PlanError", "find_plan"]
 
 # Axes that rewrite modules and so cannot run without a plan.
@@ -40,6 +42,23 @@ class ModelPlan:
     experts: tuple[str, ...] = ()
     source: str = "hand-written"
     extra: dict[str, Any] = field(default_factory=dict)
+    # Layouts the plan's author knows this model cannot run, each with the reason: an
+    # axis ("tensor", "context"...) or "sequence_parallel". Refused at parallelize.
+    unsupported: dict[str, str] = field(default_factory=dict)
+
+    def refusals(self, config: Any) -> list[Problem]:
+        """A :class:`Problem` for each layout of ``config`` (a ``ParallelConfig``) that
+        :attr:`unsupported` names."""
+        degrees = config.degrees
+        used = {axis for axis, n in degrees.items() if n > 1}
+        if degrees.get("tensor", 1) > 1 and config.parallelism.sequence_parallel:
+            used.add("sequence_parallel")
+        return [Problem(field=f"parallelism.{layout}",
+                        value=True if layout == "sequence_parallel" else degrees[layout],
+                        rule=f"{self.model_class}: {self.unsupported[layout]}",
+                        fix=f"set {layout}: " + ("false" if layout == "sequence_parallel"
+                                                 else "1"))
+                for layout in sorted(used & set(self.unsupported))]
 
     def require(self, axis: str) -> None:
         """Raise a clear error if ``axis`` needs a part of the plan this model lacks."""

@@ -1,0 +1,65 @@
+"""Layouts a transformers model's own code cannot run under, found by reading the model,
+each with the reason (a :attr:`paraxis.ModelPlan.unsupported` entry, refused at
+``parallelize`` before any process group).
+
+Each rule names the module and what in its forward needs more than a rank holds. They
+are the coverage matrix's defects that a shard cannot fix without changing the model's
+code (docs/coverage.md); the parity probe would catch each one too, but only as "the
+loss differs" or a shape error, which names no cause.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+__all__ = ["unsupported_layouts"]
+
+
+def _first(model: nn.Module, test) -> str | None:
+    return next((name for name, module in model.named_modules() if test(module)), None)
+
+
+def _tensor(model: nn.Module) -> str | None:
+    name = _first(model, lambda m: callable(getattr(m, "_gaussian_topk", None))
+                  and float(getattr(m, "activation_sparsity", 0.0) or 0.0) > 0.0)
+    if name is not None:
+        return (f"{name} keeps the largest gate activations by the mean and standard "
+                "deviation over the whole intermediate dimension (activation sparsity, "
+                "_gaussian_topk), and a column shard holds 1/t of that dimension, so each "
+                "rank would keep different activations")
+    name = _first(model, lambda m: isinstance(getattr(m, "dt_proj", None), nn.Linear)
+                  and isinstance(getattr(m, "A", None), nn.Parameter))
+    if name is not None:
+        return (f"transformers' tensor plan splits {name}.v_proj by head but "
+                f"{name}.dt_proj row-wise, whose output holds every key-value head (as "
+                f"does {name}.A), while the rank's attention holds 1/t of them")
+    return None
+
+
+def _sequence_parallel(model: nn.Module) -> str | None:
+    if getattr(model.config, "hidden_size_per_layer_input", None):
+        return ("the model computes per-layer inputs for the whole sequence from the "
+                "token ids before its layers and adds one to each layer's output, which "
+                "sequence parallelism cuts to 1/t of the sequence")
+    if _first(model, lambda m: hasattr(m, "H_module") and hasattr(m, "L_module")):
+        return ("the model adds its high-level state to its low-level one between its "
+                "two layer stacks; a stack's output under sequence parallelism holds 1/t "
+                "of the sequence and the other state all of it")
+    return None
+
+
+def _context(model: nn.Module) -> str | None:
+    name = _first(model, lambda m: callable(getattr(m, "prepare_dynamic_mask", None)))
+    if name is not None:
+        return (f"{name} adds a learned mask over the keys (prepare_dynamic_mask) to every "
+                "attention call; a rank holding a shard of the keys cannot apply a mask "
+                "over the whole sequence")
+    return None
+
+
+def unsupported_layouts(model: nn.Module) -> dict[str, str]:
+    """Layout (``tensor``, ``sequence_parallel``, ``context``) -> why ``model`` cannot
+    run under it."""
+    found = {"tensor": _tensor(model), "sequence_parallel": _sequence_parallel(model),
+             "context": _context(model)}
+    return {layout: why for layout, why in found.items() if why}
