@@ -13,8 +13,8 @@ microbatch). The last line printed is the bridge overhead ratio bridge / direct 
 of per-round ratios of median step times, spread, verdict against the target <= 1.02;
 :mod:`common`).
 
-TODO(zero-shard): paraxis zero-shard against DeepSpeed at the same stage without offload
-(issue 13) joins this script when paraxis-zero-shard is on main.
+paraxis zero-shard against DeepSpeed at the same stage without offload is
+``benchmarks/zero_vs_deepspeed.py``.
 """
 
 from __future__ import annotations
@@ -115,8 +115,8 @@ def report(args, world, n_params, run, ds_config) -> None:
         "",
         ratio_line("Bridge overhead ratio (median step time, bridge / direct)", ratio),
         "",
-        "paraxis zero-shard against DeepSpeed at the same stage without offload: TODO, "
-        "when paraxis-zero-shard lands (issue 10).",
+        "paraxis zero-shard against DeepSpeed at the same stage without offload: the "
+        "ZeRO section (`benchmarks/zero_vs_deepspeed.py`).",
     ])
     if not args.no_write:
         write_section("deepspeed_bridge", table, {
@@ -126,7 +126,6 @@ def report(args, world, n_params, run, ds_config) -> None:
             "deepspeed_config": ds_config})
     for name, t in med.items():
         print(f"{name:>7}: median step {t * 1e3:8.2f} ms")
-    print("zero-shard vs DeepSpeed (no offload): TODO until paraxis-zero-shard lands")
     print(ratio_line("bridge overhead ratio (median step time, bridge/direct)", ratio,
                      bold=False))
 
