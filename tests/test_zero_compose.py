@@ -12,7 +12,12 @@ import torch
 import paraxis
 from paraxis import ParallelConfig
 from paraxis.models.tiny import TinyConfig, TinyTransformer
-from paraxis.testing.parity import assemble, local_shards, train_on_random_tokens
+from paraxis.testing.parity import (
+    assemble,
+    assert_same_gradients,
+    local_shards,
+    train_on_random_tokens,
+)
 from paraxis.testing.tolerance import assert_losses_close, assert_weights_close
 from paraxis_hf import build_debug_model
 
@@ -90,8 +95,8 @@ def test_zero_under_bf16_matches_data_parallel(worlds, dp_bf16, zero):
 def moe_run(options):
     from test_zero_hf import train
 
-    history, eval_loss, shards = train("mixtral", options, {})
-    return [h[0] for h in history], eval_loss, shards
+    history, eval_loss, shards, grads = train("mixtral", options, {})
+    return [h[0] for h in history], eval_loss, shards, grads
 
 
 @pytest.mark.parametrize("zero", [1, 3])
@@ -102,8 +107,9 @@ def test_zero_over_expert_replicas_matches_one_process(worlds, zero):
     one-process model's training."""
     plain = worlds.run(1, moe_run, {})
     out = worlds.run(2, moe_run, {"expert": 2, "zero": zero})
+    assert_same_gradients([g for *_, g in out], plain[0][3])
     assert_losses_close(out[0][0], plain[0][0])
     assert_losses_close([out[0][1]], [plain[0][1]], "evaluation loss")
-    want, got = assemble([s for *_, s in plain]), assemble([s for *_, s in out])
+    want, got = assemble([s[2] for s in plain]), assemble([s[2] for s in out])
     for name, w in want.items():
         assert_weights_close(got[name], w, lr=1e-3, steps=20, what=name)
