@@ -18,7 +18,8 @@ from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt
 from paraxis.config.errors import ConfigError, Problem
 from paraxis.config.parallel import ParallelConfig, _Section, expand_env
 
-__all__ = ["DataSection", "LoggingSection", "ModelSection", "RunConfig", "TrainSection"]
+__all__ = ["DataSection", "EvalData", "LoggingSection", "ModelSection", "RunConfig",
+           "TrainSection"]
 
 
 class ModelSection(_Section):
@@ -53,6 +54,19 @@ class TrainSection(_Section):
     exit_after_steps: PositiveInt | None = None
     peak_flops: float | None = Field(default=None, gt=0)  # per device, for MFU
     trace_dir: str | None = None  # per-rank Chrome traces of the last logged step
+    # Every eval_every steps and after the last, the mean loss over eval_batches global
+    # batches of data.eval (0: no evaluation).
+    eval_every: NonNegativeInt = 0
+    eval_batches: PositiveInt = 4
+
+
+class EvalData(_Section):
+    """Held-out data for ``train.eval_every``: the last ``fraction`` of the packed rows,
+    taken out before the training order is drawn (training never sees them), or its own
+    ``source`` (read with the training data's format, text field and tokenizer)."""
+
+    fraction: float = Field(default=0.0, ge=0, lt=1)
+    source: str | None = None
 
 
 class DataSection(_Section):
@@ -65,6 +79,7 @@ class DataSection(_Section):
     tokenizer: str = "bytes"  # or the path of a local Hugging Face tokenizer
     max_bytes: PositiveInt = 8_000_000
     shuffle: bool = True
+    eval: EvalData = EvalData()
 
 
 class LoggingSection(_Section):
@@ -104,6 +119,16 @@ class RunConfig(ParallelConfig):
             problems.append(Problem("train.warmup_steps", t.warmup_steps,
                                     f"exceeds train.steps = {t.steps}",
                                     "shorten the warmup"))
+        held_out = self.data.eval
+        if t.eval_every and not (held_out.fraction or held_out.source):
+            problems.append(Problem("train.eval_every", t.eval_every,
+                                    "needs held-out data, and data.eval names none",
+                                    "set data.eval.fraction (e.g. 0.05) or "
+                                    "data.eval.source"))
+        if held_out.fraction and held_out.source:
+            problems.append(Problem("data.eval", held_out.model_dump(),
+                                    "names both a fraction and a source",
+                                    "keep one of data.eval.fraction and data.eval.source"))
         return problems
 
 

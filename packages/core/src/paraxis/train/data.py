@@ -20,7 +20,8 @@ import torch
 
 from paraxis.config.run import DataSection
 
-__all__ = ["BatchStream", "ByteTokenizer", "iter_documents", "load_tokenizer", "pack"]
+__all__ = ["BatchStream", "ByteTokenizer", "iter_documents", "load_tokenizer", "pack",
+           "split_held_out"]
 
 
 class ByteTokenizer:
@@ -120,6 +121,24 @@ def pack(cfg: DataSection, seq_length: int, tokenizer: Any) -> torch.Tensor:
         raise ValueError(f"data.source {cfg.source!r} holds {len(ids)} tokens, fewer than "
                          f"one sequence of {seq_length}")
     return ids[: rows * seq_length].view(rows, seq_length)
+
+
+def split_held_out(cfg: DataSection, seq_length: int, tokenizer: Any
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The training rows and the held-out rows of ``cfg.eval`` (None when it names
+    none): the last ``fraction`` of the packed rows, cut off before any training order is
+    drawn, or the rows of its own ``source``."""
+    rows = pack(cfg, seq_length, tokenizer)
+    if cfg.eval.source:
+        return rows, pack(cfg.model_copy(update={"source": cfg.eval.source}), seq_length,
+                          tokenizer)
+    if not cfg.eval.fraction:
+        return rows, None
+    held = max(1, round(cfg.eval.fraction * len(rows)))
+    if held >= len(rows):
+        raise ValueError(f"data.eval.fraction {cfg.eval.fraction} of {len(rows)} rows "
+                         "leaves none to train on")
+    return rows[:-held], rows[-held:]
 
 
 class BatchStream:

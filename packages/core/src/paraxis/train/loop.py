@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -21,11 +22,11 @@ from paraxis.engine.plugins import make_plugin_manager
 from paraxis.parallel.summary import RunReport
 from paraxis.runtime.world import init_distributed
 from paraxis.train.build import build_model, model_spec
-from paraxis.train.data import BatchStream, load_tokenizer, pack
+from paraxis.train.data import BatchStream, load_tokenizer, split_held_out
 from paraxis.train.lifecycle import StopRequest
 from paraxis.train.summary import console_line, progress, summarize, summary_table
 
-__all__ = ["Run", "finish", "run_steps", "start", "train"]
+__all__ = ["Run", "evaluate", "finish", "run_steps", "start", "train"]
 
 
 @dataclass
@@ -41,6 +42,11 @@ class Run:
     first_step: int  # the engine's step when this run started (after a resume)
     done_before: int  # entries of ``history`` from before this run
     started: float  # perf_counter at the first step
+    held_out: Any = None  # the held-out rows (data.eval), or None
+
+    @property
+    def evaluating(self) -> bool:
+        return self.held_out is not None and self.cfg.train.eval_every > 0
 
     @property
     def logging(self) -> bool:
@@ -71,15 +77,18 @@ def start(cfg: RunConfig, history: list[dict[str, float]]) -> Run:
     signals = StopRequest().install()
     engine.stop_request = signals
     index, count = engine.grid.sample_shard()
-    stream = BatchStream(pack(cfg.data, cfg.train.seq_length, tokenizer),
-                         global_batch=cfg.train.global_batch, rank=index, ranks=count,
+    rows, held_out = split_held_out(cfg.data, cfg.train.seq_length, tokenizer)
+    stream = BatchStream(rows, global_batch=cfg.train.global_batch, rank=index, ranks=count,
                          shuffle=cfg.data.shuffle, seed=cfg.train.seed)
+    if held_out is not None and len(held_out) < cfg.train.global_batch:
+        raise ValueError(f"data.eval holds {len(held_out)} sequences, fewer than one global "
+                         f"batch of {cfg.train.global_batch}")
     ckpt = cfg.train.checkpoint_dir
     if ckpt and cfg.train.resume and (Path(ckpt) / "latest").exists():
         engine.load(ckpt)
         stream.load_state_dict(engine.data_state)
     run = Run(cfg, pm, engine, stream, signals, history, engine.step, len(history),
-              time.perf_counter())
+              time.perf_counter(), held_out)
     if run.logging:
         pm.hook.paraxis_log_start(config=cfg, grid=engine.grid.describe())
     return run
@@ -100,7 +109,10 @@ def run_steps(run: Run) -> None:
             metrics = engine.train_step(batch)
             run.history.append(metrics)
             last = engine.step == stop
-            if run.logging and (engine.step % cfg.train.log_every == 0 or last):
+            evaluated = run.evaluating and (engine.step % cfg.train.eval_every == 0 or last)
+            if evaluated:
+                metrics.update(evaluate(run))
+            if run.logging and (engine.step % cfg.train.log_every == 0 or last or evaluated):
                 run.pm.hook.paraxis_log_metrics(step=engine.step, metrics=metrics)
                 if update is None:
                     print(console_line(metrics, cfg.train.steps), flush=True)
@@ -111,6 +123,20 @@ def run_steps(run: Run) -> None:
             every = cfg.train.checkpoint_every
             if every and engine.step % every == 0 and not last:
                 _save(run)
+
+
+def evaluate(run: Run) -> dict[str, float]:
+    """``eval_loss``: the mean loss over the first ``train.eval_batches`` global batches of
+    the held-out rows, in order (the same batches at every evaluation and on every
+    layout; each batch's loss is its mean over its tokens, and the batches are equal
+    packed rows); ``eval_ppl`` its exponential. Every rank calls it (the loss is reduced
+    over the grid)."""
+    index, count = run.engine.grid.sample_shard()
+    stream = BatchStream(run.held_out, global_batch=run.cfg.train.global_batch, rank=index,
+                         ranks=count, shuffle=False)
+    n = min(run.cfg.train.eval_batches, stream.batches_per_epoch)
+    loss = sum(run.engine.eval_step(stream.next_batch()) for _ in range(n)) / n
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 80.0))}
 
 
 def finish(run: Run) -> dict[str, float]:

@@ -12,9 +12,11 @@ __all__ = ["console_line", "progress", "summarize", "summary_table"]
 
 
 def console_line(m: dict[str, float], steps: int) -> str:
+    held_out = (f"  eval loss {m['eval_loss']:.4f} ppl {m['eval_ppl']:.2f}"
+                if "eval_loss" in m else "")
     return (f"step {int(m['step']):>5}/{steps}  loss {m['loss']:.4f}  "
             f"tok/s {m['tokens_per_s']:,.0f}  step {m['step_time_s'] * 1e3:.0f} ms  "
-            f"comm {m['exposed_comm_s'] * 1e3:.1f} ms  lr {m['lr']:.2e}")
+            f"comm {m['exposed_comm_s'] * 1e3:.1f} ms  lr {m['lr']:.2e}{held_out}")
 
 
 @contextlib.contextmanager
@@ -32,12 +34,19 @@ def progress(enabled: bool, total: int, done: int) -> Iterator[Any]:
     )
 
     columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("loss {task.fields[loss]}  tok/s {task.fields[tps]}"),
+               TextColumn("loss {task.fields[loss]}  eval {task.fields[eval]}  "
+                          "tok/s {task.fields[tps]}"),
                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
     with Progress(*columns, transient=False) as bar:
-        task = bar.add_task("train", total=total, completed=done, loss="-", tps="-")
-        yield lambda m: bar.update(task, completed=int(m["step"]), loss=f"{m['loss']:.4f}",
-                                   tps=f"{m['tokens_per_s']:,.0f}")
+        task = bar.add_task("train", total=total, completed=done, loss="-", eval="-",
+                            tps="-")
+
+        def update(m: dict[str, float]) -> None:
+            held_out = {"eval": f"{m['eval_loss']:.4f}"} if "eval_loss" in m else {}
+            bar.update(task, completed=int(m["step"]), loss=f"{m['loss']:.4f}",
+                       tps=f"{m['tokens_per_s']:,.0f}", **held_out)
+
+        yield update
 
 
 def _fmt(key: str, value: float) -> str:
@@ -83,4 +92,7 @@ def summarize(history: list[dict[str, float]], wall: float, steps: int) -> dict[
     for key in ("mfu", "peak_rss_bytes", "model_state_bytes", "peak_alloc_bytes"):
         if key in history[-1]:
             out[key] = history[-1][key]
+    evaluated = [m for m in history if "eval_loss" in m]
+    if evaluated:  # the last evaluation (after the last step, when there was one)
+        out["eval_loss"], out["eval_ppl"] = evaluated[-1]["eval_loss"], evaluated[-1]["eval_ppl"]
     return out
