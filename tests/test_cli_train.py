@@ -54,10 +54,11 @@ def test_cli_trains_the_default_config_and_logs_to_wandb_offline(tmp_path):
 def test_cli_rejects_a_bad_config_before_starting_processes(tmp_path):
     out = paraxis("train", "--config", str(ROOT / "examples/default.yaml"),
                   "parallelism.tensor=3", "parallelism.expert=2", "train.global_batch=7",
-                  cwd=tmp_path)
+                  "data.source=/nonexistent/corpus.txt", cwd=tmp_path)
     assert out.returncode == 1
     for text in ("train.global_batch = 7", "model.num_attention_heads = 4",
                  "model.num_key_value_heads = 2",
-                 "parallelism.expert = 2: the model has no experts"):  # paraxis-moe-ep's rule
+                 "parallelism.expert = 2: the model has no experts",  # paraxis-moe-ep's rule
+                 "data.source = '/nonexistent/corpus.txt': does not exist"):
         assert text in out.stderr or text in out.stdout, (text, out.stderr)
     assert "torch.distributed.run" not in out.stderr

@@ -84,3 +84,40 @@ def test_local_hugging_face_tokenizer(tmp_path):
     rows = pack(DataSection(source=str(tmp_path / "corpus.txt")), 8, tokenizer)
     assert rows.max() < tokenizer.vocab_size and rows.shape[1] == 8
     assert tokenizer.separator == tokenizer.tok.eos_token_id
+
+
+def _problems(tmp_path, **data):
+    from paraxis.config.run import RunConfig
+    from paraxis.train.data import check_data
+
+    cfg = RunConfig.from_dict({"model": {"family": "llama", "config": {"vocab_size": 128}},
+                               "data": data})
+    return {(p.field, p.rule) for p in check_data(cfg, ByteTokenizer())}
+
+
+def test_bad_data_is_named_before_anything_is_tokenized(tmp_path):
+    """Each is one Problem (the CLI reports them with the configuration's, before any
+    process starts; train() raises them before any process group)."""
+    datasets = pytest.importorskip("datasets")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
+    datasets.Dataset.from_dict({"body": ["a"]}).save_to_disk(tmp_path / "ds")
+    datasets.Dataset.from_dict({"text": []}).save_to_disk(tmp_path / "none")
+    cases = {
+        "missing": (dict(source=str(tmp_path / "nope.txt")), "does not exist"),
+        "empty file": (dict(source=str(tmp_path / "empty.txt")), "holds no text"),
+        "jsonl field": (dict(source=str(tmp_path / "rows.jsonl")), "no field 'text'"),
+        "dataset column": (dict(source=str(tmp_path / "ds")), "has no column 'text'"),
+        # datasets cannot open an empty save: said so, with its error
+        "empty dataset": (dict(source=str(tmp_path / "none")), "cannot be opened"),
+        "eval source": (dict(eval={"source": str(tmp_path / "gone")}), "does not exist"),
+    }
+    for name, (data, says) in cases.items():
+        found = _problems(tmp_path, **data)
+        rules = [rule for _, rule in found]
+        # a byte tokenizer (256 tokens) against a 128-token model is always wrong too
+        assert len(found) == 2 and any(says in r for r in rules), (name, found)
+        assert any("has 256 tokens but model.config.vocab_size is 128" in r for r in rules)
+    assert _problems(tmp_path, source=str(tmp_path / "ds"), text_field="body") == {
+        ("data.tokenizer", "has 256 tokens but model.config.vocab_size is 128: ids past "
+                           "the embedding would index out of range")}

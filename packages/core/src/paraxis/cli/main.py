@@ -16,6 +16,7 @@ from paraxis.config.shape import ModelShape
 from paraxis.engine.plugins import make_plugin_manager
 from paraxis.engine.resolve import missing_axes, resolve_strategies
 from paraxis.planner.cli import add_plan_parser
+from paraxis.train.data import check_data
 from paraxis.train.launcher import add_launch_arguments
 from paraxis.train.lifecycle import LOCK_ENV, DirectoryLock, LockedError, die_with_parent
 
@@ -35,7 +36,7 @@ def _load_checked(args: argparse.Namespace) -> RunConfig:
     pm = make_plugin_manager()
     missing = missing_axes(config, pm, has_experts=bool(model and model.num_experts))
     validate(config, world_size=getattr(args, "world_size", None), model=model,
-             plugin_manager=pm, extra=[*config.check_run(), *missing])
+             plugin_manager=pm, extra=[*config.check_run(), *missing, *check_data(config)])
     return config
 
 

@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
-from paraxis.config.run import DataSection
+from paraxis.config.errors import Problem
+from paraxis.config.run import DataSection, RunConfig
 
-__all__ = ["BatchStream", "ByteTokenizer", "iter_documents", "load_tokenizer", "pack",
-           "split_held_out"]
+__all__ = ["BatchStream", "ByteTokenizer", "check_data", "iter_documents", "load_tokenizer",
+           "pack", "split_held_out"]
 
 
 class ByteTokenizer:
@@ -72,21 +73,84 @@ def iter_documents(cfg: DataSection) -> Iterator[str]:
         yield doc
 
 
+def check_data(cfg: RunConfig, tokenizer: Any | None = None) -> list[Problem]:
+    """What is wrong with the data sections, found without tokenizing anything: a source
+    that does not exist or holds nothing, a text field the rows lack, a tokenizer whose
+    vocabulary the model cannot embed. ``tokenizer``: the loaded one, else loaded here."""
+    problems = []
+    for field, source in [("data.source", cfg.data.source),
+                          ("data.eval.source", cfg.data.eval.source)]:
+        if source is not None:
+            problems += _check_source(field, source, cfg.data)
+    try:
+        vocab = (tokenizer or load_tokenizer(cfg.data.tokenizer)).vocab_size
+    except OSError as exc:
+        return [*problems, Problem("data.tokenizer", cfg.data.tokenizer,
+                                   f"cannot be loaded ({exc})", "give a local tokenizer "
+                                   "directory, or bytes")]
+    model_vocab = cfg.model.config.get("vocab_size")
+    if isinstance(model_vocab, int) and vocab > model_vocab:
+        problems.append(Problem(
+            "data.tokenizer", cfg.data.tokenizer,
+            f"has {vocab} tokens but model.config.vocab_size is {model_vocab}: ids past "
+            "the embedding would index out of range", f"set model.config.vocab_size to at "
+            f"least {vocab}, or use the model's own tokenizer"))
+    return problems
+
+
+def _check_source(field: str, source: str, cfg: DataSection) -> list[Problem]:
+    if source == "stdlib":
+        return []
+    src = Path(source)
+    if not src.exists():
+        return [Problem(field, source, "does not exist", "give an existing file or directory")]
+    fmt = _format(src, cfg.format)
+    if fmt == "hf_disk":
+        from datasets import load_from_disk  # memory-mapped: nothing is read here
+
+        try:
+            ds = load_from_disk(str(src))
+        except Exception as exc:  # datasets' own errors (an empty save cannot be opened)
+            return [Problem(field, source, f"cannot be opened as a saved dataset "
+                            f"({type(exc).__name__}: {exc})", "save it again with rows")]
+        ds = (ds["train"] if "train" in ds else ds[next(iter(ds.keys()))]) \
+            if hasattr(ds, "keys") else ds
+        if len(ds) == 0:
+            return [Problem(field, source, "is an empty dataset", "give one with rows")]
+        if cfg.text_field not in ds.column_names:
+            return [Problem(field, source, f"has no column {cfg.text_field!r} (columns: "
+                            f"{', '.join(ds.column_names)})", "set data.text_field")]
+        return []
+    files = sorted(p for p in src.rglob("*") if p.is_file()) if src.is_dir() else [src]
+    if not any(p.stat().st_size for p in files):
+        return [Problem(field, source, "holds no text (empty)", "give a non-empty source")]
+    if fmt == "jsonl" or any(p.suffix == ".jsonl" for p in files):
+        for path in files:
+            with path.open(encoding="utf-8") as f:
+                line = next((line for line in f if line.strip()), None)
+            if line is not None and cfg.text_field not in json.loads(line):
+                return [Problem(field, str(path), f"rows have no field {cfg.text_field!r}",
+                                "set data.text_field")]
+    return []
+
+
+def _format(src: Path, fmt: str) -> str:
+    """``data.format``, with ``auto`` resolved from what ``src`` looks like."""
+    if fmt != "auto":
+        return fmt
+    saved = ("dataset_info.json", "state.json", "dataset_dict.json")
+    if src.is_dir() and any((src / name).exists() for name in saved):
+        return "hf_disk"
+    return "jsonl" if src.suffix in (".jsonl", ".json") else "text"
+
+
 def _documents(cfg: DataSection) -> Iterator[str]:
     if cfg.source == "stdlib":
         for path in _stdlib_files():
             yield path.read_text(encoding="utf-8", errors="replace")
         return
     src = Path(cfg.source)
-    fmt = cfg.format
-    if fmt == "auto":
-        saved = ("dataset_info.json", "state.json", "dataset_dict.json")
-        if src.is_dir() and any((src / name).exists() for name in saved):
-            fmt = "hf_disk"
-        elif src.suffix in (".jsonl", ".json"):
-            fmt = "jsonl"
-        else:
-            fmt = "text"
+    fmt = _format(src, cfg.format)
     if not src.exists():
         raise FileNotFoundError(f"data.source {cfg.source!r} does not exist")
     if fmt == "hf_disk":

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from paraxis.config.errors import ConfigError
 from paraxis.config.run import RunConfig
 from paraxis.engine.apply import parallelize
 from paraxis.engine.engine import Engine
@@ -22,7 +23,7 @@ from paraxis.engine.plugins import make_plugin_manager
 from paraxis.parallel.summary import RunReport
 from paraxis.runtime.world import init_distributed
 from paraxis.train.build import build_model, model_spec
-from paraxis.train.data import BatchStream, load_tokenizer, split_held_out
+from paraxis.train.data import BatchStream, check_data, load_tokenizer, split_held_out
 from paraxis.train.lifecycle import StopRequest
 from paraxis.train.summary import console_line, progress, summarize, summary_table
 
@@ -67,6 +68,9 @@ def start(cfg: RunConfig, history: list[dict[str, float]]) -> Run:
     it, open the data stream at this rank's share and resume from the latest checkpoint."""
     pm = make_plugin_manager()
     tokenizer = load_tokenizer(cfg.data.tokenizer)
+    problems = check_data(cfg, tokenizer)
+    if problems:  # before any process group, with everything found
+        raise ConfigError(problems)
     init_distributed()  # a construction context may partition over the ranks
     context = pm.hook.paraxis_model_context(config=cfg)
     with context if context is not None else contextlib.nullcontext():
