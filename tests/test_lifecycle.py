@@ -33,12 +33,12 @@ def env():
     return out
 
 
-def start(ckpt, *extra, steps=400):
+def start(ckpt, *extra, steps=400, job=None):
     return subprocess.Popen(
         [sys.executable, "-m", "paraxis", "train", "--config", CONFIG, *SMALL,
          f"train.steps={steps}", f"train.checkpoint_dir={ckpt}", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(),
-        start_new_session=True)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**env(), **(job or {})}, start_new_session=True)
 
 
 def run(ckpt, *extra, steps=12, timeout=240):
@@ -136,3 +136,12 @@ def test_two_nodes_on_one_machine(tmp_path):
     assert all(p.returncode == 0 for p in nodes), [e[-2000:] for _, e in outs]
     both = "".join(o for o, _ in outs)
     assert losses(both) == losses(one[1])  # the same 2-rank run, over two "nodes"
+    # As srun starts them: no launch arguments, the job's environment only (node count,
+    # node id, job id; the rendezvous on the node list's first host).
+    job = {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_ID": "4242",
+           "SLURM_JOB_NODELIST": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    nodes = [start(tmp_path / "slurm", steps=6, job={**job, "SLURM_NODEID": str(r)})
+             for r in range(2)]
+    outs = [p.communicate(timeout=240) for p in nodes]
+    assert all(p.returncode == 0 for p in nodes), [e[-2000:] for _, e in outs]
+    assert losses("".join(o for o, _ in outs)) == losses(one[1])

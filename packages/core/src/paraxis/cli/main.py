@@ -88,6 +88,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return 1
     ckpt = config.train.checkpoint_dir
     try:
+        if args.print_sbatch:
+            from paraxis.train.launcher import sbatch_script
+
+            argv = sys.argv[1:] if args.argv is None else args.argv
+            print(sbatch_script(config.world_size, args.gpus_per_node, argv), end="")
+            return 0
         if "RANK" not in os.environ:
             from paraxis.train.launcher import LaunchOptions, run_workers
 

@@ -4,8 +4,10 @@ whole run and reports the outcome in a few lines.
 
 * One node: ``--standalone`` rendezvous on localhost.
 * Several: ``--nnodes N --node-rank R --rdzv-endpoint HOST:PORT`` pass through to
-  torchrun's c10d rendezvous; under SLURM they default to the job's node count, node id
-  and job id (``MASTER_ADDR``/``MASTER_PORT`` name the endpoint).
+  torchrun's c10d rendezvous. Under SLURM (``srun paraxis train ...``, one task per
+  node) they default to the job's node count, node id and job id, and the endpoint to
+  ``MASTER_ADDR`` or else the first host of ``SLURM_JOB_NODELIST``, port ``MASTER_PORT``
+  or 29500. ``--print-sbatch`` writes a batch script for the configured layout.
 * ``--max-restarts N``: when a worker dies the agent restarts every worker, and the run
   resumes from the checkpoint directory's ``latest`` (the gap is at most
   ``train.checkpoint_every`` steps).
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import sys
 from collections.abc import Sequence
@@ -23,7 +26,28 @@ from dataclasses import dataclass
 from paraxis.config.errors import ConfigError, Problem
 from paraxis.train.lifecycle import LOCK_ENV, DirectoryLock
 
-__all__ = ["LaunchOptions", "add_launch_arguments", "run_workers", "torchrun_args"]
+__all__ = ["LaunchOptions", "add_launch_arguments", "run_workers", "sbatch_script",
+           "slurm_hosts", "torchrun_args"]
+
+DEFAULT_PORT = "29500"
+
+
+def slurm_hosts(nodelist: str) -> list[str]:
+    """Host names of a SLURM node list, as ``scontrol show hostnames`` expands it, for the
+    usual grammar: comma-separated names, each with at most one bracket of numbers and
+    ranges kept at their width (``gpu[01-03,7],login`` -> gpu01 gpu02 gpu03 gpu7 login)."""
+    hosts = []
+    for item in re.findall(r"[^,\[]+(?:\[[^\]]*\][^,]*)?", nodelist):
+        match = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", item)
+        if match is None:
+            hosts.append(item)
+            continue
+        prefix, ranges, suffix = match.groups()
+        for part in ranges.split(","):
+            first, _, last = part.partition("-")
+            for n in range(int(first), int(last or first) + 1):
+                hosts.append(f"{prefix}{n:0{len(first)}d}{suffix}")
+    return hosts
 
 
 @dataclass(frozen=True)
@@ -43,8 +67,10 @@ class LaunchOptions:
         if nnodes is None and int(env.get("SLURM_JOB_NUM_NODES", "1")) > 1:
             nnodes = int(env["SLURM_JOB_NUM_NODES"])
             node_rank = int(env.get("SLURM_NODEID", "0")) if node_rank is None else node_rank
-            if endpoint is None and "MASTER_ADDR" in env:
-                endpoint = f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT', '29500')}"
+            nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
+            host = env.get("MASTER_ADDR") or next(iter(slurm_hosts(nodelist)), None)
+            if endpoint is None and host:
+                endpoint = f"{host}:{env.get('MASTER_PORT', DEFAULT_PORT)}"
         nnodes, node_rank = nnodes or 1, node_rank or 0
         if nnodes > 1 and not endpoint:
             raise ConfigError([Problem(
@@ -62,6 +88,47 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="restart every worker up to N times when one dies, "
                         "resuming from the latest checkpoint")
+    parser.add_argument("--print-sbatch", action="store_true",
+                        help="print a SLURM batch script for this layout and exit")
+    parser.add_argument("--gpus-per-node", type=int, default=8,
+                        help="with --print-sbatch: accelerators (ranks) per node")
+
+
+def sbatch_script(world_size: int, gpus_per_node: int, argv: Sequence[str]) -> str:
+    """A batch script that runs ``paraxis train`` with ``argv`` (less the sbatch options)
+    on as many nodes as the layout needs, one launcher task per node; the launchers find
+    each other through the job's environment (:meth:`LaunchOptions.from_args`)."""
+    if gpus_per_node < 1 or (world_size > gpus_per_node and world_size % gpus_per_node):
+        raise ConfigError([Problem("--gpus-per-node", gpus_per_node,
+                                   f"must divide the world size {world_size}",
+                                   "give the accelerators per node of your cluster")])
+    nodes = max(1, world_size // gpus_per_node)
+    per_node = world_size // nodes
+    keep, skip = [], False
+    for arg in argv:
+        if skip or arg == "--print-sbatch":
+            skip = False
+            continue
+        if arg == "--gpus-per-node":
+            skip = True
+            continue
+        if not arg.startswith("--gpus-per-node="):
+            keep.append(arg)
+    return "\n".join([
+        "#!/bin/bash",
+        f"# Written by `paraxis train --print-sbatch`: world size {world_size} as "
+        f"{nodes} node(s) x {per_node} rank(s).",
+        "#SBATCH --job-name=paraxis",
+        f"#SBATCH --nodes={nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --gpus-per-node={per_node}",
+        "#SBATCH --exclusive",
+        "# paraxis reads SLURM_JOB_NUM_NODES, SLURM_NODEID, SLURM_JOB_ID and the first host",
+        "# of SLURM_JOB_NODELIST (the rendezvous) from the job; each task starts "
+        f"{per_node} workers.",
+        f"export MASTER_PORT=${{MASTER_PORT:-{DEFAULT_PORT}}}",
+        f"srun {shlex.join(['paraxis', *keep])}",
+        ""])
 
 
 def torchrun_args(world_size: int, opts: LaunchOptions, argv: Sequence[str]) -> list[str]:
