@@ -145,3 +145,31 @@ def test_two_nodes_on_one_machine(tmp_path):
     outs = [p.communicate(timeout=240) for p in nodes]
     assert all(p.returncode == 0 for p in nodes), [e[-2000:] for _, e in outs]
     assert losses("".join(o for o, _ in outs)) == losses(one[1])
+
+
+def test_an_error_every_rank_meets_is_said_once(tmp_path):
+    """A damaged checkpoint (every rank reads the index): one line naming the file, no
+    traceback per rank, exit code 1."""
+    ckpt = tmp_path / "ckpt"
+    assert run(ckpt, steps=2)[0] == 0
+    (ckpt / "step-00000002" / "index.json").write_text('{"trunc')
+    code, _, err = run(ckpt, steps=4)
+    said = [line for line in err.splitlines() if line.startswith("paraxis: ")]
+    assert code == 1 and len(said) == 1, err[-3000:]
+    assert f"{ckpt}/step-00000002/index.json is corrupted" in said[0]
+    assert "Traceback" not in err
+
+
+def test_a_rank_killed_outright_is_named_with_its_memory(tmp_path):
+    """SIGKILL (what the kernel's out-of-memory killer sends) leaves no traceback: the
+    launcher names the rank, the likely cause and its last recorded memory and step."""
+    ckpt = tmp_path / "ckpt"
+    proc = start(ckpt)
+    wait_for_step(proc, 3)
+    victim = max(p for p in workers_of(ckpt) if p != proc.pid)
+    os.kill(victim, signal.SIGKILL)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 1
+    assert re.search(r"paraxis: rank \d was killed by SIGKILL, most likely by the kernel's "
+                     r"out-of-memory killer .*peak resident memory was \d+\.\d\d GiB after "
+                     r"step \d+", err), err[-3000:]

@@ -108,6 +108,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _train_here(config: RunConfig) -> int:
     """A worker: train on the current world (torchrun's environment)."""
     from paraxis.runtime.grid import shutdown
+    from paraxis.train.failures import RankRecord
     from paraxis.train.loop import train
 
     if "TORCHELASTIC_RUN_ID" in os.environ:
@@ -119,6 +120,10 @@ def _train_here(config: RunConfig) -> int:
     try:
         train(config)
         shutdown()
+    except Exception as exc:
+        if RankRecord().failed(exc):  # every rank meets it alike: the launcher says it once
+            return 1
+        raise
     finally:
         if lock is not None:
             lock.release()

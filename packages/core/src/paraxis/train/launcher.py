@@ -19,11 +19,14 @@ import argparse
 import os
 import re
 import shlex
+import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from paraxis.config.errors import ConfigError, Problem
+from paraxis.train.failures import REPORT_ENV, explain
 from paraxis.train.lifecycle import LOCK_ENV, DirectoryLock
 
 __all__ = ["LaunchOptions", "add_launch_arguments", "run_workers", "sbatch_script",
@@ -159,6 +162,8 @@ def run_workers(world_size: int, opts: LaunchOptions, argv: Sequence[str],
     # attempt and fail to connect (pytorch/pytorch#135712; seen here on restart after a
     # killed rank, in about half the runs). A store per attempt avoids it.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    report = tempfile.mkdtemp(prefix="paraxis-report-")  # the workers' records
+    os.environ[REPORT_ENV] = report
     lock = None
     if checkpoint_dir and opts.node_rank == 0:  # one writer: the first node holds it
         lock = DirectoryLock(checkpoint_dir).acquire()
@@ -168,14 +173,14 @@ def run_workers(world_size: int, opts: LaunchOptions, argv: Sequence[str],
         run(parse_args(torchrun_args(world_size, opts, argv)))
         return 0
     except ChildFailedError as exc:
-        for rank, failure in sorted(exc.failures.items()):
-            how = (f"signal {failure.signal_name()}" if failure.exitcode < 0
-                   else f"exit code {failure.exitcode}")
-            print(f"paraxis: rank {rank} failed ({how}); its traceback is above",
-                  file=sys.stderr)
+        failed = {rank: failure.signal_name() if failure.exitcode < 0 else None
+                  for rank, failure in exc.failures.items()}
+        for line in explain(report, failed):
+            print(f"paraxis: {line}", file=sys.stderr)
         return 1
     except SignalException as exc:  # the workers were told and stopped at a step
         return 128 + int(exc.sigval)
     finally:
+        shutil.rmtree(report, ignore_errors=True)
         if lock is not None:
             lock.release()

@@ -24,6 +24,7 @@ from paraxis.parallel.summary import RunReport
 from paraxis.runtime.world import init_distributed
 from paraxis.train.build import build_model, model_spec
 from paraxis.train.data import BatchStream, check_data, load_tokenizer, split_held_out
+from paraxis.train.failures import RankRecord
 from paraxis.train.lifecycle import StopRequest
 from paraxis.train.summary import console_line, progress, summarize, summary_table
 
@@ -105,12 +106,15 @@ def run_steps(run: Run) -> None:
     stop = cfg.train.steps
     if cfg.train.exit_after_steps:
         stop = min(stop, run.first_step + cfg.train.exit_after_steps)
+    record = RankRecord()  # the launcher names a rank killed outright from it
+    record.alive(engine.step)
     with progress(run.logging and cfg.logging.progress, cfg.train.steps,
                   run.first_step) as update:
         while engine.step < stop:
             batch = run.stream.next_batch()
             engine.data_state = run.stream.state_dict()
             metrics = engine.train_step(batch)
+            record.alive(engine.step)
             run.history.append(metrics)
             last = engine.step == stop
             evaluated = run.evaluating and (engine.step % cfg.train.eval_every == 0 or last)
