@@ -62,3 +62,13 @@ def test_cli_rejects_a_bad_config_before_starting_processes(tmp_path):
                  "data.source = '/nonexistent/corpus.txt': does not exist"):
         assert text in out.stderr or text in out.stdout, (text, out.stderr)
     assert "torch.distributed.run" not in out.stderr
+
+
+def test_cli_refuses_a_layout_that_does_not_fit_the_device_memory(tmp_path):
+    out = paraxis("train", "--config", str(ROOT / "examples/default.yaml"),
+                  "--device-memory", "2MB", cwd=tmp_path)
+    assert out.returncode == 1
+    assert "refused: the plan says pipeline stage 0 needs" in out.stderr, out.stderr
+    assert "more than 2.00 MB" in out.stderr, out.stderr  # the cap, then the largest term
+    assert "the largest term is" in out.stderr, out.stderr
+    assert "torch.distributed" not in out.stderr and not (tmp_path / "runs").exists()

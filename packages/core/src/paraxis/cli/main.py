@@ -81,11 +81,31 @@ def _warn_if_too_big(config: RunConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def _too_big(config: RunConfig, args: argparse.Namespace) -> str | None:
+    """Why ``paraxis train --device-memory`` refuses the layout (the plan says a rank
+    would not fit), or None."""
+    from paraxis.planner.cli import fit_warning
+    from paraxis.planner.units import PlanInputError
+
+    try:
+        warning = fit_warning(config, device_memory=args.device_memory)
+    except PlanInputError as exc:
+        return str(exc)
+    return None if warning is None else (
+        f"refused: {warning}. Training starts nothing that would not fit; drop "
+        "--device-memory to run it anyway")
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     """Train from a config; outside torchrun, launch the workers under torchrun's agent."""
     config = _load_or_report(args)
     if config is None:
         return 1
+    if args.device_memory and "RANK" not in os.environ:  # refuse before any rank starts
+        refusal = _too_big(config, args)
+        if refusal:
+            print(f"{args.config}: {refusal}", file=sys.stderr)
+            return 1
     ckpt = config.train.checkpoint_dir
     try:
         if args.print_sbatch:
@@ -145,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr = sub.add_parser("train", help=_cmd_train.__doc__)
     tr.add_argument("--config", required=True, help="YAML run configuration")
     tr.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=50")
+    tr.add_argument("--device-memory", help="refuse, before any rank starts, a layout the "
+                    "plan says needs more than this per rank, e.g. 80GB")
     add_launch_arguments(tr)
     tr.set_defaults(func=_cmd_train)
     add_plan_parser(sub)
