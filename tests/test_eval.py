@@ -2,13 +2,16 @@
 rows never reach training, and the eval loss is the same on one process and on data 2 x
 pipeline 2 (at the shared tolerance: the runs' weights differ by reduction order)."""
 
+import json
 import math
+import random
 
 import pytest
 import torch
 
 from paraxis.config.errors import ConfigError
 from paraxis.config.run import RunConfig
+from paraxis.parallel.numerics import REDUCTION_RTOL
 from paraxis.testing import run_distributed
 from paraxis.testing.tolerance import assert_losses_close
 from paraxis.train.data import ByteTokenizer, pack, split_held_out
@@ -63,3 +66,38 @@ def test_eval_needs_held_out_data_and_only_one_kind():
     assert any(p.field == "data.eval" for p in problems), problems
     with pytest.raises(ConfigError):
         RunConfig.from_dict({"data": {"eval": {"fraction": 1.5}}})
+
+
+def masked_losses(masking, degrees, source):
+    cfg = run_config(degrees, document_masking=masking, source=source)
+    history = []
+    train(cfg.model_copy(update={"train": cfg.train.model_copy(update={"eval_every": 0})}),
+          history)
+    return [m["loss"] for m in history]
+
+
+def test_document_masking_reaches_the_model_and_holds_on_data2_pipeline2(tmp_path):
+    """Packed rows of short documents with per-document positions (restarting after each
+    separator): the losses differ from attending across documents (the mask is applied),
+    and data 2 x pipeline 2 equals one process with it."""
+    rng = random.Random(0)
+    words = ["def", "return", "import", "class", "self", "print", "for", "in", "x", "y"]
+    source = tmp_path / "docs.jsonl"
+    source.write_text("".join(
+        json.dumps({"text": " ".join(rng.choices(words, k=rng.randint(2, 8)))}) + "\n"
+        for _ in range(1500)))
+    (masked,) = run_distributed(masked_losses, 1, True, {}, str(source))
+    (across,) = run_distributed(masked_losses, 1, False, {}, str(source))
+    apart = max(abs(m - a) / a for m, a in zip(masked, across, strict=True))
+    assert apart > 100 * REDUCTION_RTOL, (masked, across)  # far beyond reduction noise
+    for losses in run_distributed(masked_losses, 4, True, {"data": 2, "pipeline": 2},
+                                  str(source)):
+        assert_losses_close(losses, masked)
+
+
+def test_document_positions_restart_after_each_separator():
+    from paraxis.train.data import document_positions
+
+    rows = torch.tensor([[5, 0, 7, 8, 0, 0, 9], [1, 2, 3, 4, 5, 6, 7]])
+    assert document_positions(rows, 0).tolist() == [[0, 1, 0, 1, 2, 0, 0],
+                                                    [0, 1, 2, 3, 4, 5, 6]]

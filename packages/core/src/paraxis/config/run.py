@@ -79,6 +79,10 @@ class DataSection(_Section):
     tokenizer: str = "bytes"  # or the path of a local Hugging Face tokenizer
     max_bytes: PositiveInt = 8_000_000
     shuffle: bool = True
+    # Packed rows carry position ids restarting after each separator, so no token attends
+    # to another document and no target crosses a boundary. Off by default: pretraining
+    # on concatenated text usually attends across; turn it on for fine-tuning data.
+    document_masking: bool = False
     eval: EvalData = EvalData()
 
 

@@ -21,8 +21,8 @@ import torch
 from paraxis.config.errors import Problem
 from paraxis.config.run import DataSection, RunConfig
 
-__all__ = ["BatchStream", "ByteTokenizer", "check_data", "iter_documents", "load_tokenizer",
-           "pack", "split_held_out"]
+__all__ = ["BatchStream", "ByteTokenizer", "check_data", "document_positions",
+           "iter_documents", "load_tokenizer", "pack", "split_held_out"]
 
 
 class ByteTokenizer:
@@ -185,6 +185,17 @@ def pack(cfg: DataSection, seq_length: int, tokenizer: Any) -> torch.Tensor:
         raise ValueError(f"data.source {cfg.source!r} holds {len(ids)} tokens, fewer than "
                          f"one sequence of {seq_length}")
     return ids[: rows * seq_length].view(rows, seq_length)
+
+
+def document_positions(rows: torch.Tensor, separator: int) -> torch.Tensor:
+    """Position ids of packed ``rows`` that restart at 0 after each ``separator`` (which
+    ends its document) and at each row's start: the layout
+    :meth:`paraxis.parallel.batch.Batch.from_user` reads as document boundaries."""
+    index = torch.arange(rows.shape[1]).expand_as(rows)
+    starts = torch.zeros_like(rows, dtype=torch.bool)
+    starts[:, 1:] = rows[:, :-1] == separator
+    starts[:, 0] = True
+    return index - torch.where(starts, index, 0).cummax(-1).values
 
 
 def split_held_out(cfg: DataSection, seq_length: int, tokenizer: Any

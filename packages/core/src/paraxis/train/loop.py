@@ -23,7 +23,13 @@ from paraxis.engine.plugins import make_plugin_manager
 from paraxis.parallel.summary import RunReport
 from paraxis.runtime.world import init_distributed
 from paraxis.train.build import build_model, model_spec
-from paraxis.train.data import BatchStream, check_data, load_tokenizer, split_held_out
+from paraxis.train.data import (
+    BatchStream,
+    check_data,
+    document_positions,
+    load_tokenizer,
+    split_held_out,
+)
 from paraxis.train.failures import RankRecord
 from paraxis.train.lifecycle import StopRequest
 from paraxis.train.summary import console_line, progress, summarize, summary_table
@@ -45,6 +51,14 @@ class Run:
     done_before: int  # entries of ``history`` from before this run
     started: float  # perf_counter at the first step
     held_out: Any = None  # the held-out rows (data.eval), or None
+    separator: int | None = None  # with data.document_masking: the tokenizer's separator
+
+    def feed(self, rows: Any) -> Any:
+        """What the engine gets for packed ``rows``: the rows, or with document masking
+        the rows and their per-document position ids."""
+        if self.separator is None:
+            return rows
+        return {"input_ids": rows, "position_ids": document_positions(rows, self.separator)}
 
     @property
     def evaluating(self) -> bool:
@@ -93,7 +107,8 @@ def start(cfg: RunConfig, history: list[dict[str, float]]) -> Run:
         engine.load(ckpt)
         stream.load_state_dict(engine.data_state)
     run = Run(cfg, pm, engine, stream, signals, history, engine.step, len(history),
-              time.perf_counter(), held_out)
+              time.perf_counter(), held_out,
+              tokenizer.separator if cfg.data.document_masking else None)
     if run.logging:
         pm.hook.paraxis_log_start(config=cfg, grid=engine.grid.describe())
     return run
@@ -113,7 +128,7 @@ def run_steps(run: Run) -> None:
         while engine.step < stop:
             batch = run.stream.next_batch()
             engine.data_state = run.stream.state_dict()
-            metrics = engine.train_step(batch)
+            metrics = engine.train_step(run.feed(batch))
             record.alive(engine.step)
             run.history.append(metrics)
             last = engine.step == stop
@@ -134,16 +149,15 @@ def run_steps(run: Run) -> None:
 
 
 def evaluate(run: Run) -> dict[str, float]:
-    """``eval_loss``: the mean loss over the first ``train.eval_batches`` global batches of
-    the held-out rows, in order (the same batches at every evaluation and on every
-    layout; each batch's loss is its mean over its tokens, and the batches are equal
-    packed rows); ``eval_ppl`` its exponential. Every rank calls it (the loss is reduced
-    over the grid)."""
+    """``eval_loss``: the mean of the losses of the first ``train.eval_batches`` global
+    batches of the held-out rows, in order (the same batches at every evaluation and on
+    every layout), each batch's loss its mean over its targets; ``eval_ppl`` its
+    exponential. Every rank calls it (the loss is reduced over the grid)."""
     index, count = run.engine.grid.sample_shard()
     stream = BatchStream(run.held_out, global_batch=run.cfg.train.global_batch, rank=index,
                          ranks=count, shuffle=False)
     n = min(run.cfg.train.eval_batches, stream.batches_per_epoch)
-    loss = sum(run.engine.eval_step(stream.next_batch()) for _ in range(n)) / n
+    loss = sum(run.engine.eval_step(run.feed(stream.next_batch())) for _ in range(n)) / n
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 80.0))}
 
 
