@@ -101,3 +101,30 @@ def test_document_positions_restart_after_each_separator():
     rows = torch.tensor([[5, 0, 7, 8, 0, 0, 9], [1, 2, 3, 4, 5, 6, 7]])
     assert document_positions(rows, 0).tolist() == [[0, 1, 0, 1, 2, 0, 0],
                                                     [0, 1, 2, 3, 4, 5, 6]]
+
+
+def source_losses(source):
+    cfg = run_config({}, source=source, eval={"fraction": 0.0})
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"eval_every": 0})})
+    history = []
+    train(cfg, history)
+    return [m["loss"] for m in history]
+
+
+def test_prepared_shards_train_like_the_source_they_came_from(tmp_path):
+    """paraxis data prepare (two tokenizing processes), then data.source: DIR: the same
+    losses, bit for bit, as training on the JSONL itself."""
+    import subprocess
+    import sys
+
+    source = tmp_path / "docs.jsonl"
+    source.write_text("".join(json.dumps({"text": f"document {i} " * (i % 7 + 1)}) + "\n"
+                              for i in range(3000)))
+    out = subprocess.run([sys.executable, "-m", "paraxis", "data", "prepare", str(source),
+                          "--out", str(tmp_path / "shards"), "--workers", "2", "--quiet",
+                          "--max-bytes", "60000"],  # run_config's data.max_bytes
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and " documents, " in out.stdout, out.stderr
+    (raw,) = run_distributed(source_losses, 1, str(source))
+    (shards,) = run_distributed(source_losses, 1, str(tmp_path / "shards"))
+    assert shards == raw

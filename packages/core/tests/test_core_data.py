@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -121,3 +122,72 @@ def test_bad_data_is_named_before_anything_is_tokenized(tmp_path):
     assert _problems(tmp_path, source=str(tmp_path / "ds"), text_field="body") == {
         ("data.tokenizer", "has 256 tokens but model.config.vocab_size is 128: ids past "
                            "the embedding would index out of range")}
+
+
+def _corpus(tmp_path, n=400):
+    import random
+
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta"]
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choices(words, k=rng.randint(
+        2, 40)))}) + "\n" for _ in range(n)))
+    return path
+
+
+def _prepared(tmp_path, workers=1):
+    from paraxis.train.data import load_tokenizer
+    from paraxis.train.shards import prepare
+
+    source = _corpus(tmp_path)
+    out = tmp_path / "shards"
+    prepare(iter_documents(DataSection(source=str(source))), out,
+            load_tokenizer=load_tokenizer, tokenizer_name="bytes", source=str(source),
+            workers=workers)
+    return source, out
+
+
+def test_prepared_shards_hold_the_same_rows_memory_mapped(tmp_path):
+    """Two tokenizing processes write what one process packs, in order; the rows are
+    read from the memory map (not loaded), a batch's rows only."""
+    from paraxis.train.shards import TokenRows
+
+    source, out = _prepared(tmp_path, workers=2)
+    whole = pack(DataSection(source=str(source)), 16, ByteTokenizer())
+    rows = pack(DataSection(source=str(out)), 16, ByteTokenizer())
+    assert isinstance(rows, TokenRows) and len(rows) == len(whole)
+    assert torch.equal(rows[torch.arange(len(rows))], whole)
+    assert isinstance(rows.grid, np.memmap)
+    stream = BatchStream(rows, global_batch=4, rank=1, ranks=2, seed=3)
+    again = BatchStream(whole, global_batch=4, rank=1, ranks=2, seed=3)
+    for _ in range(5):
+        assert torch.equal(stream.next_batch(), again.next_batch())
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["documents"] == 400 and meta["dtype"] == "uint16"
+
+
+def test_damaged_shards_are_named_before_training(tmp_path):
+    from paraxis.config.run import RunConfig
+    from paraxis.train.data import check_data
+
+    _, out = _prepared(tmp_path)
+    cfg = RunConfig.from_dict({"data": {"source": str(out)}})
+    assert check_data(cfg, ByteTokenizer()) == []
+    meta = json.loads((out / "meta.json").read_text())
+    tokens = (out / "tokens.bin").read_bytes()
+    cases = [
+        (lambda: (out / "tokens.bin").write_bytes(tokens[:-10]), "holds"),
+        (lambda: (out / "meta.json").write_text(json.dumps({**meta, "dtype": "int8"})),
+         "names dtype 'int8'"),
+        (lambda: (out / "meta.json").write_text("{trunc"), "cannot be read"),
+        (lambda: (out / "meta.json").write_text(json.dumps({**meta, "documents": 3})),
+         "indexes 400 documents"),
+        (lambda: (out / "meta.json").write_text(json.dumps({**meta, "tokenizer": "x"})),
+         "was prepared with tokenizer 'x'"),
+    ]
+    for damage, says in cases:
+        damage()
+        problems = check_data(cfg, ByteTokenizer())
+        assert len(problems) == 1 and says in problems[0].rule, (says, problems)
+        (out / "tokens.bin").write_bytes(tokens)
+        (out / "meta.json").write_text(json.dumps(meta))

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from paraxis.cli.checkpoint import add_checkpoint_commands
+from paraxis.cli.data import add_data_commands
 from paraxis.config.errors import ConfigError
 from paraxis.config.rules import validate
 from paraxis.config.run import RunConfig
@@ -170,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_launch_arguments(tr)
     tr.set_defaults(func=_cmd_train)
     add_plan_parser(sub)
+    add_data_commands(sub)
     pm = make_plugin_manager()
     add_checkpoint_commands(sub, pm)
     pm.hook.paraxis_cli_commands(subparsers=sub)

@@ -71,10 +71,11 @@ class EvalData(_Section):
 
 class DataSection(_Section):
     """``source``: ``stdlib`` (the running interpreter's standard-library sources), a
-    text or JSONL file, a directory of them, or a ``datasets`` dataset saved to disk."""
+    text or JSONL file, a directory of them, a ``datasets`` dataset saved to disk, or a
+    directory ``paraxis data prepare`` wrote (memory-mapped tokens)."""
 
     source: str = "stdlib"
-    format: Literal["auto", "text", "jsonl", "hf_disk"] = "auto"
+    format: Literal["auto", "text", "jsonl", "hf_disk", "tokens"] = "auto"
     text_field: str = "text"
     tokenizer: str = "bytes"  # or the path of a local Hugging Face tokenizer
     max_bytes: PositiveInt = 8_000_000

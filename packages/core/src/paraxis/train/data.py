@@ -20,6 +20,7 @@ import torch
 
 from paraxis.config.errors import Problem
 from paraxis.config.run import DataSection, RunConfig
+from paraxis.train.shards import TokenRows, check_shards, is_prepared, token_rows
 
 __all__ = ["BatchStream", "ByteTokenizer", "check_data", "document_positions",
            "iter_documents", "load_tokenizer", "pack", "split_held_out"]
@@ -105,6 +106,10 @@ def _check_source(field: str, source: str, cfg: DataSection) -> list[Problem]:
     if not src.exists():
         return [Problem(field, source, "does not exist", "give an existing file or directory")]
     fmt = _format(src, cfg.format)
+    if fmt == "tokens":
+        why = check_shards(src, cfg.tokenizer)
+        return [] if why is None else [Problem(field, source, why, "prepare it again with "
+                                               "paraxis data prepare")]
     if fmt == "hf_disk":
         from datasets import load_from_disk  # memory-mapped: nothing is read here
 
@@ -138,6 +143,8 @@ def _format(src: Path, fmt: str) -> str:
     """``data.format``, with ``auto`` resolved from what ``src`` looks like."""
     if fmt != "auto":
         return fmt
+    if is_prepared(src):
+        return "tokens"
     saved = ("dataset_info.json", "state.json", "dataset_dict.json")
     if src.is_dir() and any((src / name).exists() for name in saved):
         return "hf_disk"
@@ -151,6 +158,9 @@ def _documents(cfg: DataSection) -> Iterator[str]:
         return
     src = Path(cfg.source)
     fmt = _format(src, cfg.format)
+    if fmt == "tokens":
+        raise ValueError(f"data.source {cfg.source!r} is already tokenized "
+                         "(paraxis data prepare): it has rows, not documents")
     if not src.exists():
         raise FileNotFoundError(f"data.source {cfg.source!r} does not exist")
     if fmt == "hf_disk":
@@ -172,9 +182,12 @@ def _documents(cfg: DataSection) -> Iterator[str]:
             yield path.read_text(encoding="utf-8", errors="replace")
 
 
-def pack(cfg: DataSection, seq_length: int, tokenizer: Any) -> torch.Tensor:
+def pack(cfg: DataSection, seq_length: int, tokenizer: Any) -> torch.Tensor | TokenRows:
     """All documents tokenized, separated, and cut into rows: shape (rows, seq_length).
-    Tokens stay tensors throughout (no Python list of millions of ints)."""
+    Tokens stay tensors throughout (no Python list of millions of ints). A directory
+    ``paraxis data prepare`` wrote is not read: its rows are memory-mapped."""
+    if cfg.source != "stdlib" and _format(Path(cfg.source), cfg.format) == "tokens":
+        return token_rows(Path(cfg.source), seq_length)
     sep = torch.tensor([tokenizer.separator], dtype=torch.long)
     pieces: list[torch.Tensor] = []
     for doc in iter_documents(cfg):
@@ -199,7 +212,7 @@ def document_positions(rows: torch.Tensor, separator: int) -> torch.Tensor:
 
 
 def split_held_out(cfg: DataSection, seq_length: int, tokenizer: Any
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   ) -> tuple[Any, Any]:
     """The training rows and the held-out rows of ``cfg.eval`` (None when it names
     none): the last ``fraction`` of the packed rows, cut off before any training order is
     drawn, or the rows of its own ``source``."""
