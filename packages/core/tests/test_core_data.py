@@ -191,3 +191,26 @@ def test_damaged_shards_are_named_before_training(tmp_path):
         assert len(problems) == 1 and says in problems[0].rule, (says, problems)
         (out / "tokens.bin").write_bytes(tokens)
         (out / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 100, 4097, 65_536, 100_003])
+def test_the_shuffle_is_a_permutation(n):
+    from paraxis.train.order import permute
+
+    assert sorted(permute(torch.arange(n), n, seed=5).tolist()) == list(range(n))
+
+
+def test_the_order_costs_no_memory_per_row():
+    """A billion rows (randperm would hold 8 GB): a batch computes only its own."""
+
+    class Rows:
+        def __len__(self):
+            return 10**9
+
+        def __getitem__(self, index):
+            return index
+
+    stream = BatchStream(Rows(), global_batch=8, rank=1, ranks=2, seed=0)
+    first, second = stream.next_batch(), stream.next_batch()
+    assert first.shape == (4,) and len(set(first.tolist() + second.tolist())) == 8
+    assert all(0 <= i < 10**9 for i in first.tolist())

@@ -20,6 +20,7 @@ import torch
 
 from paraxis.config.errors import Problem
 from paraxis.config.run import DataSection, RunConfig
+from paraxis.train.order import permute
 from paraxis.train.shards import TokenRows, check_shards, is_prepared, token_rows
 
 __all__ = ["BatchStream", "ByteTokenizer", "check_data", "document_positions",
@@ -233,10 +234,12 @@ class BatchStream:
     """Global batches of rows in a seeded order; this rank takes its contiguous slice.
 
     ``position`` counts samples consumed by the whole run; it is saved in checkpoints,
-    and a stream built with the same rows, seed and position continues exactly.
+    and a stream built with the same rows, seed and position continues exactly. The
+    order of each epoch is :func:`paraxis.train.order.permute` (seed + epoch), evaluated
+    for the rows a batch needs, so it costs no memory however many rows there are.
     """
 
-    def __init__(self, rows: torch.Tensor, *, global_batch: int, rank: int, ranks: int,
+    def __init__(self, rows: Any, *, global_batch: int, rank: int, ranks: int,
                  shuffle: bool = True, seed: int = 0, position: int = 0):
         if global_batch % ranks:
             raise ValueError(f"global batch {global_batch} does not split over {ranks} ranks")
@@ -245,30 +248,22 @@ class BatchStream:
         self.rows, self.global_batch = rows, global_batch
         self.rank, self.ranks = rank, ranks
         self.shuffle, self.seed, self.position = shuffle, seed, position
-        self._epoch, self._order = -1, torch.arange(0)
 
     @property
     def batches_per_epoch(self) -> int:
         return len(self.rows) // self.global_batch
 
-    def _order_for(self, epoch: int) -> torch.Tensor:
-        if epoch != self._epoch:
-            n = self.batches_per_epoch * self.global_batch
-            self._order = (torch.randperm(len(self.rows), generator=torch.Generator()
-                                          .manual_seed(self.seed + epoch))[:n]
-                           if self.shuffle else torch.arange(n))
-            self._epoch = epoch
-        return self._order
-
     def next_batch(self) -> torch.Tensor:
         """This rank's share of the next global batch: (global_batch / ranks, seq)."""
         per_epoch = self.batches_per_epoch * self.global_batch
         epoch, offset = divmod(self.position, per_epoch)
-        order = self._order_for(epoch)
         per = self.global_batch // self.ranks
         start = offset + self.rank * per
         self.position += self.global_batch
-        return self.rows[order[start:start + per]]
+        index = torch.arange(start, start + per)
+        if self.shuffle:  # the epoch's order over every row; the tail past whole batches
+            index = permute(index, len(self.rows), self.seed + epoch)  # differs by epoch
+        return self.rows[index]
 
     def state_dict(self) -> dict[str, int]:
         return {"position": self.position, "seed": self.seed}
