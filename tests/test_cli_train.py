@@ -45,10 +45,12 @@ def test_cli_trains_the_default_config_and_logs_to_wandb_offline(tmp_path):
 
     again = paraxis("train", "--config", str(ROOT / "examples/default.yaml"),
                     "train.steps=40", "train.warmup_steps=5", "train.log_every=10",
-                    f"train.checkpoint_dir={ckpt}", "logging.progress=false",
-                    "logging.wandb=false", cwd=tmp_path)
+                    f"train.checkpoint_dir={ckpt}", "logging.progress=false", cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert re.findall(r"step\s+(\d+)/40", again.stdout) == ["40"]  # resumed at 30
+    # ...into the same W&B run: its id is kept beside the checkpoints.
+    runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and len({r.name.rsplit("-", 1)[1] for r in runs}) == 1, runs
 
 
 def test_cli_rejects_a_bad_config_before_starting_processes(tmp_path):

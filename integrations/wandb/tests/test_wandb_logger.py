@@ -108,3 +108,26 @@ def test_moe_arrays_become_a_table_and_a_heatmap(tmp_path, monkeypatch):
     assert list(run.glob("files/media/table/moe/experts_*.table.json"))
     (picture,) = run.glob("files/media/html/moe/load_heatmap_*.html")
     assert "model.layers.10.mlp" in picture.read_text()
+
+
+def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
+    """The run id is kept beside the checkpoints: a run resuming from them logs into the
+    same W&B run; one that starts afresh (train.resume: false) gets a new one."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    ckpt = tmp_path / "ckpt"
+
+    def run_id(resume=True):
+        cfg = RunConfig.from_dict({"logging": {"run_name": "unit"},
+                                   "train": {"checkpoint_dir": str(ckpt), "resume": resume}})
+        logger = WandbLogger()
+        logger.start(cfg, {})
+        assert logger.run is not None
+        rid = logger.run.id
+        logger.end({})
+        return rid
+
+    first = run_id()
+    assert (ckpt / "wandb-run-id").read_text().strip() == first
+    assert run_id() == first
+    assert run_id(resume=False) != first

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
+from pathlib import Path
 from typing import Any
 
 from paraxis_wandb.moe import heatmap_svg, split_moe_arrays, table_rows
@@ -11,6 +13,31 @@ from paraxis_wandb.moe import heatmap_svg, split_moe_arrays, table_rows
 __all__ = ["WandbLogger"]
 
 log = logging.getLogger(__name__)
+
+
+RUN_ID_FILE = "wandb-run-id"
+
+
+def _resumable(config: Any) -> dict[str, Any]:
+    """With a checkpoint directory, the W&B run's id lives beside the checkpoints
+    (``wandb-run-id``), so a run that resumes from them continues the same W&B run
+    (``resume="allow"``: the same id, the steps after the checkpoint's); a run that
+    starts afresh (``train.resume: false``) writes a new id."""
+    train = getattr(config, "train", None)
+    where = getattr(train, "checkpoint_dir", None)
+    if not where:
+        return {}
+    path = Path(where) / RUN_ID_FILE
+    try:
+        run_id = path.read_text().strip() if train.resume and path.exists() else ""
+        if not run_id:
+            run_id = secrets.token_hex(6)  # W&B ids: letters and digits
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(run_id + "\n")
+    except OSError as exc:  # never let logging stop training
+        log.warning("W&B run id not kept in %s (%s): a resume starts a new run", where, exc)
+        return {}
+    return {"id": run_id, "resume": "allow"}
 
 
 class WandbLogger:
@@ -32,7 +59,7 @@ class WandbLogger:
         payload = {"run": config.model_dump(mode="json"), "grid": grid}
         kwargs = {"project": getattr(section, "project", "paraxis"),
                   "name": getattr(section, "run_name", None), "config": payload,
-                  "dir": os.environ.get("WANDB_DIR")}
+                  "dir": os.environ.get("WANDB_DIR"), **_resumable(config)}
         for mode in (None, "offline"):  # as configured (WANDB_MODE), then offline
             try:
                 settings = wandb.Settings(init_timeout=self.init_timeout_s, silent=True)
