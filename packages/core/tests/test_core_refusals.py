@@ -216,3 +216,22 @@ def test_a_dead_rank_is_named_by_the_others():
     for rank in (0, 1):  # both survivors said which collective and which rank
         assert f"all_reduce over data (ranks [0, 1, 2]) failed on rank {rank}" in report
     assert "unresponsive ranks: [2]" in report, report[-3000:]
+
+
+def test_a_model_without_a_twin_is_refused_before_any_process_group():
+    """Weights on the meta device (a model no rank holds whole) are probed through a
+    shrunk twin; with no plugin to build one, the refusal says how to go on knowingly."""
+    from paraxis import ConfigError
+    from paraxis.parallel.strategy import MATERIALIZE_ATTR
+
+    model = TinyTransformer(CFG)
+    setattr(model, MATERIALIZE_ATTR, lambda m: None)
+    pm = make_plugin_manager(load_entrypoints=False)
+    try:
+        paraxis.parallelize(model, plugin_manager=pm, train={"seq_length": CFG.seq_length})
+    except ConfigError as exc:
+        assert "needs a shrunk twin of it, and there is none" in str(exc)
+        assert "pass verify=False" in str(exc)
+    else:
+        raise AssertionError("a model with no twin was probed")
+    assert not dist.is_initialized()

@@ -35,8 +35,8 @@ from paraxis.runtime.world import device_for_rank, init_distributed, launched_wo
 if TYPE_CHECKING:
     import pluggy
 
-__all__ = ["apply_parallelism", "apply_strategies", "build_optimizer", "parallelize",
-           "preflight", "probe_twin"]
+__all__ = ["apply_parallelism", "apply_strategies", "build_optimizer", "find_twin",
+           "parallelize", "preflight", "probe_twin"]
 
 
 def build_optimizer(model: nn.Module, ctx: ApplyContext,
@@ -125,11 +125,13 @@ def parallelize(
     model_shape, model_plan = preflight(model, config, train=train_cfg, plan=plan,
                                         model_shape=model_shape, plugin_manager=pm)
 
-    init_distributed()
     lazy = deferred(model)  # on the meta device until each rank reads its slices
+    # No whole model: its twin's probe (and masks) stand for it; none is refused here.
+    twin = find_twin(model, config, pm) if verify and lazy else None
+    init_distributed()
     probed, masks = ("none (verify=False)" if not verify else "whole model"), None
-    if verify and lazy:  # no whole model: its twin's probe (and masks) stand for it
-        probed, masks = probe_twin(model, config, train=train_cfg, plan=plan,
+    if twin is not None:
+        probed, masks = probe_twin(twin, config, train=train_cfg, plan=plan,
                                    plugin_manager=pm)
     grid = Grid.build(config)
     device = device_for_rank()
@@ -163,13 +165,10 @@ def parallelize(
     return engine
 
 
-def probe_twin(model: nn.Module, config: ParallelConfig, *, train: TrainSection,
-               plan: ModelPlan | None, plugin_manager: Any) -> tuple[str, MaskSupport]:
-    """The parity probe of a model that cannot run whole on a rank (its weights wait on
-    the meta device): a shrunk twin of the same family (``paraxis_twin_model``) goes
-    through ``parallelize`` with the same layout and plan, probed against itself in one
-    process; its refusal is the model's. Returns what was probed and the twin's
-    :class:`~paraxis.engine.masks.MaskSupport` (the family's). Collective."""
+def find_twin(model: nn.Module, config: ParallelConfig, plugin_manager: Any) -> nn.Module:
+    """A shrunk twin of ``model`` (``paraxis_twin_model``) for the parity probe of a
+    model that cannot run whole on a rank (its weights wait on the meta device); a
+    ConfigError before any process group when no plugin can build one."""
     reason = "no installed plugin builds one"
     try:
         twin = plugin_manager.hook.paraxis_twin_model(model=model, config=config)
@@ -181,6 +180,15 @@ def probe_twin(model: nn.Module, config: ParallelConfig, *, train: TrainSection,
             f"parity probe needs a shrunk twin of it, and there is none: {reason}",
             "pass verify=False to train without the parity probe, knowing that no check "
             "compared this layout with one process")])
+    return twin
+
+
+def probe_twin(twin: nn.Module, config: ParallelConfig, *, train: TrainSection,
+               plan: ModelPlan | None, plugin_manager: Any) -> tuple[str, MaskSupport]:
+    """The parity probe through ``twin`` (:func:`find_twin`): it goes through
+    ``parallelize`` with the model's layout and plan, probed against itself in one
+    process; its refusal is the model's. Returns what was probed and the twin's
+    :class:`~paraxis.engine.masks.MaskSupport` (the family's). Collective."""
     twin_train = train.model_copy(update={"seq_length": min(train.seq_length, 64)})
     engine = parallelize(twin, config=config, train=twin_train, plan=plan,
                          plugin_manager=plugin_manager, verify=True)
