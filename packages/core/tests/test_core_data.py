@@ -214,3 +214,21 @@ def test_the_order_costs_no_memory_per_row():
     first, second = stream.next_batch(), stream.next_batch()
     assert first.shape == (4,) and len(set(first.tolist() + second.tolist())) == 8
     assert all(0 <= i < 10**9 for i in first.tolist())
+
+
+def test_a_resume_on_another_layout_continues_at_the_same_samples():
+    """The position counts the whole run's samples and the order depends on the seed and
+    the epoch only: 2 sample-splitting ranks saved, 4 resume, and the next global batches
+    are the ones the 2 would have read."""
+    rows = torch.arange(40 * 2).view(40, 2)
+    two = [BatchStream(rows, global_batch=8, rank=r, ranks=2, seed=9) for r in range(2)]
+    for _ in range(7):  # into the second epoch (5 batches per epoch)
+        for s in two:
+            s.next_batch()
+    state = two[0].state_dict()
+    four = [BatchStream(rows, global_batch=8, rank=r, ranks=4, seed=9) for r in range(4)]
+    for s in four:
+        s.load_state_dict(state)
+    for _ in range(4):
+        assert torch.equal(torch.cat([s.next_batch() for s in four]),
+                           torch.cat([s.next_batch() for s in two]))
