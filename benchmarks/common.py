@@ -161,8 +161,8 @@ def ratio_line(label: str, s: dict, *, bold: bool = True) -> str:
     sign = "<=" if s["better"] == "lower" else ">="
     judged = (f"target {sign} {s['target']}: {b}{s['verdict']}{b}"
               if s["target"] is not None else s["verdict"])
-    return (f"{b}{label}: {s['median']:.3f}{b} [{s['min']:.3f}–{s['max']:.3f}] over "
-            f"{len(s['per_round'])} rounds; {judged}")
+    return (f"{b}{label}: {s['median']:.3f}{b} (median of {len(s['per_round'])} rounds), "
+            f"spread [{s['min']:.3f}–{s['max']:.3f}]; {judged}")
 
 
 def median(xs: list[float]) -> float:
