@@ -31,7 +31,7 @@ from paraxis.parallel.placement import placement_of
 from paraxis.runtime.comm_stats import CommStats
 
 __all__ = ["Tracer", "flops_per_token", "memory_stats", "mfu", "model_flops_per_token",
-           "non_embedding_params", "step_metrics"]
+           "non_embedding_params", "peak_rss_bytes", "step_metrics"]
 
 
 @dataclass
@@ -177,6 +177,10 @@ def memory_stats(model: nn.Module, optimizer: torch.optim.Optimizer | None,
         if storage.nbytes() and storage.data_ptr() not in seen:
             seen.add(storage.data_ptr())
             state += storage.nbytes()
+    return {"model_state_bytes": float(state), "peak_rss_bytes": float(peak_rss_bytes())}
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    rss *= 1 if sys.platform == "darwin" else 1024  # Linux reports KiB
-    return {"model_state_bytes": float(state), "peak_rss_bytes": float(rss)}
+    return rss * (1 if sys.platform == "darwin" else 1024)  # Linux reports KiB

@@ -16,13 +16,14 @@ fails, the error. The launcher reads them when torchrun's agent says ranks faile
 from __future__ import annotations
 
 import json
+import math
 import os
-import resource
-import sys
+import time
 from pathlib import Path
 
 from paraxis.checkpoint.files import CheckpointError
 from paraxis.config.errors import ConfigError
+from paraxis.engine.metrics import peak_rss_bytes
 from paraxis.parallel.model_plan import PlanError
 
 __all__ = ["KNOWN", "REPORT_ENV", "RankRecord", "explain"]
@@ -41,18 +42,24 @@ def _write(path: Path, record: dict) -> None:
 class RankRecord:
     """This worker's record in the launcher's report directory (none outside it)."""
 
+    # A step's record is written when the peak grew or this long after the last one:
+    # a file write per step would sit on the training loop for nothing.
+    EVERY_S = 5.0
+
     def __init__(self) -> None:
         where = os.environ.get(REPORT_ENV)
         self.rank = int(os.environ.get("RANK", "0"))
         self.dir = Path(where) if where else None
+        self._peak, self._written = -1, -math.inf
 
     def alive(self, step: int) -> None:
         """After each step: the step and this process's peak resident memory so far."""
-        if self.dir is not None:
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-            scale = 1 if sys.platform == "darwin" else 1024  # Linux reports KiB
-            _write(self.dir / f"rank{self.rank}.state",
-                   {"step": step, "peak_rss_bytes": peak * scale})
+        if self.dir is None:
+            return
+        peak, now = peak_rss_bytes(), time.monotonic()
+        if peak > self._peak or now - self._written >= self.EVERY_S:
+            _write(self.dir / f"rank{self.rank}.state", {"step": step, "peak_rss_bytes": peak})
+            self._peak, self._written = peak, now
 
     def failed(self, exc: BaseException) -> bool:
         """Record the error; True when the launcher will say it (the caller then prints
