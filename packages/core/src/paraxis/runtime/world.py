@@ -48,5 +48,6 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
         dist.init_process_group(backend, timeout=timeout)
         return
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1, timeout=timeout)
+    # an in-memory store: a world of one needs no port, so nothing can take it first
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=timeout)

@@ -1,12 +1,16 @@
 """Run test bodies on N real gloo ranks: one harness for every multi-rank test.
 
-A :class:`DistributedWorld` spawns N processes once (each: free port rendezvous,
+A :class:`DistributedWorld` spawns N processes once (each: a file rendezvous,
 ``OMP_NUM_THREADS=1``, gloo with a collective timeout) and runs any number of
 functions on them, so several checks share one start-up. Every failure raises in the
 parent with each failing rank's traceback and the ranks that never answered; nothing
 waits longer than the timeout. On close each rank frees what it holds, collects garbage,
 meets the others at a barrier and destroys its group: torch 2.13 aborts at interpreter
 exit in about one run in ten without that.
+
+The rendezvous is a file store in a fresh temporary folder, not a TCP port: a port
+picked free is only free until someone else binds it, and under ``pytest -n 2`` another
+worker's ranks sometimes did (EADDRINUSE at start-up, seen in CI at b1246d0).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -35,16 +41,15 @@ class RankFailure(AssertionError):
     """One or more ranks raised, died or did not answer in time."""
 
 
-def _worker(rank: int, world: int, port: int, timeout: float,
+def _worker(rank: int, world: int, store_path: str, timeout: float,
             inbox: Any, outbox: Any) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=timeout))
     except BaseException:
         outbox.put((rank, False, f"rank {rank} failed to join:\n{traceback.format_exc()}"))
@@ -78,19 +83,21 @@ class DistributedWorld:
         self._procs: list[Any] = []
         self._inboxes: list[Any] = []
         self._outbox: Any = None
+        self._store_dir: str | None = None
         self.broken = False
 
     def start(self) -> DistributedWorld:
         ctx = mp.get_context("spawn")
         self._outbox = ctx.Queue()
-        port = free_port()
+        self._store_dir = tempfile.mkdtemp(prefix="paraxis-world-")
+        store_path = os.path.join(self._store_dir, "store")
         old = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = "1"  # read when the child's torch starts
         try:
             for rank in range(self.world_size):
                 inbox = ctx.Queue()
                 proc = ctx.Process(target=_worker, daemon=True, name=f"paraxis-rank{rank}",
-                                   args=(rank, self.world_size, port, self.timeout, inbox,
+                                   args=(rank, self.world_size, store_path, self.timeout, inbox,
                                          self._outbox))
                 proc.start()
                 self._procs.append(proc)
@@ -160,6 +167,9 @@ class DistributedWorld:
                 proc.join(timeout=5)
         self._procs.clear()
         self._inboxes.clear()
+        if self._store_dir is not None:
+            shutil.rmtree(self._store_dir, ignore_errors=True)
+            self._store_dir = None
 
     def __enter__(self) -> DistributedWorld:
         return self.start() if not self._procs else self
