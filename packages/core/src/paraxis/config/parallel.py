@@ -83,6 +83,10 @@ class Parallelism(_Section):
     # How the context axis splits attention: ring (K/V circulate) or Ulysses (heads).
     context_mode: Literal["ring", "ulysses"] = "ring"
     bucket_mb: float = Field(default=25.0, gt=0)
+    # The dtype gradients travel in on the data and ZeRO reductions: fp32 (gradients
+    # are fp32 under every precision, see train.precision), or bf16 to halve the bytes
+    # (each rank's gradient rounded to bf16 before the sum, the sum rounded once more).
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     offload: Offload = Offload()
 
 
