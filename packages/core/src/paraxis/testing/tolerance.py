@@ -59,7 +59,7 @@ from collections.abc import Sequence
 
 import torch
 
-from paraxis.parallel.numerics import REDUCTION_RTOL
+from paraxis.parallel.numerics import BF16_RTOL, BF16_UNIT_ROUNDOFF, REDUCTION_RTOL
 
 __all__ = ["ADAM_FRACTION", "BF16_RTOL", "BF16_UNIT", "FP64_RTOL", "GRAD_FLOOR", "STEP_RTOL",
            "WEIGHT_RTOL",
@@ -67,8 +67,7 @@ __all__ = ["ADAM_FRACTION", "BF16_RTOL", "BF16_UNIT", "FP64_RTOL", "GRAD_FLOOR",
            "assert_weights_close", "weight_atol"]
 
 STEP_RTOL = REDUCTION_RTOL
-BF16_UNIT = 2.0**-8
-BF16_RTOL = 4 * BF16_UNIT
+BF16_UNIT = BF16_UNIT_ROUNDOFF
 WEIGHT_RTOL = 10 * STEP_RTOL
 ADAM_FRACTION = 1e-2
 # Kernels checked in float64 against a float64 reference of another order (blockwise
