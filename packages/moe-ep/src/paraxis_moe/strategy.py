@@ -31,7 +31,7 @@ from paraxis.parallel.model_plan import ModelPlan
 from paraxis.parallel.stages import chunks_of
 from paraxis.parallel.strategy import ApplyContext, Phase, Strategy
 from paraxis.runtime.grid import DENSE_REPLICA_AXES
-from paraxis_moe.config import moe_config
+from paraxis_moe.config import group_limit_problems, moe_config
 from paraxis_moe.experts import UnsupportedMoELayout
 from paraxis_moe.layer import ExpertParallel, find_blocks
 
@@ -45,9 +45,13 @@ class ExpertParallelStrategy(Strategy):
     @classmethod
     def check_model(cls, model: nn.Module, config: Any, plan: object | None) -> list[Problem]:
         """Every MoE block the plan names must have fused experts paraxis can shard and a
-        router it can find, and its expert count must split over the expert degree. At
+        router it can find, and its expert count must split over the expert degree; a
+        group-limited router's ``topk_group``/``n_group`` must be routable. At
         degree 1 nothing is sharded: a block it cannot shard is kept whole (the model's
         own forward; its router watched where found)."""
+        routing = group_limit_problems(getattr(model, "config", None))
+        if routing:
+            return routing
         patterns = getattr(plan, "experts", ()) or ()
         degree = config.parallelism.expert
         try:
