@@ -8,7 +8,8 @@ statistics are always logged. It uses core's contracts (docs/architecture.md sec
 * ``ctx.aux_losses``: declares ``moe/aux_loss`` and ``moe/z_loss`` and a carry slot of
   ``E + 1`` numbers (the router counts), through which the joint Switch loss keeps
   exact one-process parity across pipeline stages;
-* ``ctx.step_hooks``: the ``moe/...`` metrics after every optimizer step;
+* ``ctx.step_hooks``: the ``moe/...`` metrics after every optimizer step, and with
+  ``moe.bias_update_rate`` DeepSeek-V3's correction-bias update from the global load;
 * ``ctx.skip_verify``: with a capacity factor, drops depend on each rank's token group,
   which the one-process parity probe cannot reproduce;
 * ``Strategy.check_model``: an MoE layout it cannot shard is refused before any process
@@ -79,7 +80,7 @@ class ExpertParallelStrategy(Strategy):
         for name in ep.losses.names:
             ctx.aux_losses.declare(name)
         ep.attach(ctx.aux_losses)
-        ctx.step_hooks.append(ep.step_metrics)
+        ctx.step_hooks.append(ep.after_step)
         if moe.capacity_factor is not None:
             ctx.skip_verify = (f"moe.capacity_factor={moe.capacity_factor}: each rank drops "
                                "pairs of its own token group, which one process on the "
