@@ -111,3 +111,44 @@ def test_sequence_wise_loss_by_hand():
     torch.testing.assert_close(parts[AUX_LOSS].detach(), 0.5 * (f * p).sum(-1).mean())
     parts[AUX_LOSS].backward()
     assert logits.grad is not None and logits.grad.abs().sum() > 0
+
+
+def _minimax():
+    """MiniMax-M2: a sigmoid router handed the tokens flattened, its bias on the block."""
+    from moe_tiny_models import COMMON
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("minimax_m2", num_hidden_layers=2, **COMMON, head_dim=8,
+                                  intermediate_size=48, num_local_experts=4,
+                                  num_experts_per_tok=2, bos_token_id=0, eos_token_id=1)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def minimax_step():
+    model = _minimax()
+    engine = paraxis.parallelize(model, plan=plan_of(model), moe={"bias_update_rate": 0.01},
+                                 train={"seq_length": 8})
+    ep = engine.ctx.extras["expert"]
+    assert isinstance(ep.losses, SequenceLosses) and ep.balancer is not None
+    m = engine.train_step(torch.randint(0, 64, (2, 8)))
+    engine.close()
+    return m
+
+
+def test_a_router_fed_flattened_tokens_gets_the_sequence_loss_and_the_update(worlds):
+    m = worlds.run(1, minimax_step)[0]
+    assert m[AUX_LOSS] > 0  # the model's router_aux_loss_coef, sequence-wise
+    assert m["moe/correction_bias_max"] == pytest.approx(0.01)
+
+
+def test_the_sequence_loss_under_context_parallelism_is_refused():
+    from paraxis_moe import ExpertParallelStrategy
+
+    model = build("deepseek_v3", num_key_value_heads=4)
+    problems = ExpertParallelStrategy.check_model(
+        model, ParallelConfig.from_kwargs(context=2, moe={"aux_loss_coef": 1e-3}),
+        plan_of(model))
+    assert [p.field for p in problems] == ["parallelism.context"]
+    assert "sequence-wise" in problems[0].rule
+    assert ExpertParallelStrategy.check_model(  # no loss: nothing to refuse
+        model, ParallelConfig.from_kwargs(context=2), plan_of(model)) == []

@@ -1,8 +1,8 @@
 """A group-limited router (DeepSeek-V3's ``n_group`` / ``topk_group``) that cannot route
-is refused by ``parallelize``'s checks, naming the field, before any process group."""
+is refused by ``parallelize``'s checks, naming the field, before any process group
+(``preflight``: what ``parallelize`` checks before it creates one)."""
 
 import pytest
-import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
@@ -20,7 +20,6 @@ def _refusal(**overrides):
     with pytest.raises(ConfigError) as err:
         preflight(model, ParallelConfig.from_kwargs(expert=2), train=TrainSection(seq_length=8),
                   plan=plan_of(model), world_size=2)
-    assert not dist.is_initialized()
     return err.value
 
 

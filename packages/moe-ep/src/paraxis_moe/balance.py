@@ -80,6 +80,15 @@ class SequenceLosses(RouterLosses):
     def __init__(self, num_experts: int, top_k: int, **kwargs: Any):
         super().__init__(num_experts, top_k, **kwargs)
         self._rows: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        self._seq_len: int | None = None
+
+    def note_block_input(self, module: nn.Module, args: Any) -> None:
+        """Forward pre-hook on an MoE block: its ``(batch, sequence, hidden)`` input
+        says where sequences end, for a router that is handed the tokens flattened
+        (MiniMax-M2's)."""
+        x = args[0] if args and torch.is_tensor(args[0]) else None
+        if x is not None and x.dim() == 3:
+            self._seq_len = int(x.shape[-2])
 
     def record(self, logits: torch.Tensor, *, chosen: torch.Tensor | None = None,
                seq_len: int | None = None) -> None:
@@ -89,6 +98,7 @@ class SequenceLosses(RouterLosses):
 
         if logits.shape[-1] != self.num_experts:
             super().record(logits)  # refused there, naming the extra classes
+        seq_len = seq_len or self._seq_len
         if chosen is None or not seq_len:
             raise UnsupportedMoELayout(
                 "a sigmoid router with e_score_correction_bias gave no top-k indices or "

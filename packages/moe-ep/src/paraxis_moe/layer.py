@@ -173,6 +173,7 @@ class ExpertParallel:
             raise UnsupportedMoELayout(f"{where}: cannot find the router's top-k")
         self.top_k = int(top_k)
         self.stats = MoEStats(self.num_experts, self.names)
+        self._hooks: list[Any] = []
         biases = {name: bias for root, name, _, _ in parts
                   if (bias := correction_bias(root.get_submodule(name))) is not None}
         # DeepSeek-V3's sequence-wise loss for its sigmoid routers, Switch's otherwise.
@@ -182,11 +183,13 @@ class ExpertParallel:
         self.losses = loss_class(self.num_experts, self.top_k,
                                  aux_coef=aux_coef(self.moe, cfg),
                                  z_coef=self.moe.z_loss_coef, group=token_group)
+        if isinstance(self.losses, SequenceLosses):
+            self._hooks = [root.get_submodule(name).register_forward_pre_hook(
+                self.losses.note_block_input) for root, name, _, _ in parts if name in biases]
         self.balancer = (BiasBalancer(biases, self.moe.bias_update_rate, pipeline=pipeline)
                          if biases and self.moe.bias_update_rate > 0 else None)
         self.recording = True
         self.experts: dict[str, ExpertParallelExperts] = {}
-        self._hooks: list[Any] = []
         for root, name, router, experts in parts:
             layer = self.stats.layers[name]
             if experts is not None:

@@ -32,7 +32,8 @@ from paraxis.parallel.model_plan import ModelPlan
 from paraxis.parallel.stages import chunks_of
 from paraxis.parallel.strategy import ApplyContext, Phase, Strategy
 from paraxis.runtime.grid import DENSE_REPLICA_AXES
-from paraxis_moe.config import group_limit_problems, moe_config
+from paraxis_moe.balance import correction_bias, sigmoid_scored
+from paraxis_moe.config import aux_coef, group_limit_problems, moe_config
 from paraxis_moe.experts import UnsupportedMoELayout
 from paraxis_moe.layer import ExpertParallel, find_blocks
 
@@ -61,11 +62,12 @@ class ExpertParallelStrategy(Strategy):
             return [Problem("model", type(model).__name__, str(exc),
                             "use a transformers version whose MoE blocks hold fused "
                             "experts (5.x), or a model paraxis-moe-ep supports")]
-        return [Problem(f"model.{name}.experts.num_experts", experts.num_experts,
-                        f"must be divisible by the expert degree {degree}",
-                        "choose parallelism.expert dividing the expert count")
-                for name, _, experts in blocks
-                if experts is not None and experts.num_experts % degree][:1]
+        found = [Problem(f"model.{name}.experts.num_experts", experts.num_experts,
+                         f"must be divisible by the expert degree {degree}",
+                         "choose parallelism.expert dividing the expert count")
+                 for name, _, experts in blocks
+                 if experts is not None and experts.num_experts % degree][:1]
+        return found + _sequence_loss_problems(model, config, blocks)
 
     def apply(self, model: nn.Module, ctx: ApplyContext) -> nn.Module:
         plan = ctx.plan
@@ -87,3 +89,20 @@ class ExpertParallelStrategy(Strategy):
                                "whole probe batch does not")
         ctx.extras["expert"] = ep
         return model
+
+
+def _sequence_loss_problems(model: nn.Module, config: Any,
+                            blocks: list[tuple[str, nn.Module | None, Any]]) -> list[Problem]:
+    """DeepSeek-V3's sequence-wise loss needs each sequence whole on one rank; context
+    parallelism splits it (its per-sequence counts would need a reduction it lacks)."""
+    context = config.parallelism.context
+    if context == 1 or not aux_coef(moe_config(config), getattr(model, "config", None)):
+        return []
+    name = next((n for n, router, _ in blocks if router is not None and sigmoid_scored(router)
+                 and correction_bias(model.get_submodule(n)) is not None), None)
+    if name is None:
+        return []
+    return [Problem("parallelism.context", context,
+                    f"{name} is a sigmoid router with a correction bias, trained with "
+                    "DeepSeek-V3's sequence-wise balance loss, which needs each sequence "
+                    "whole on one rank", "set context: 1, or moe.aux_loss_coef: 0")]
