@@ -136,6 +136,10 @@ def write(args: argparse.Namespace, results: list[dict]) -> None:
     for row in results:
         lines.append(ratio_line(f"{row['grouped']} / loop, {row['dtype']}, "
                                 f"{row['experts']} local experts", row["ratio"]) + "  ")
+    lines += ["", "The grouped form is the default for a (device, dtype) only where every "
+              "grouped / loop spread above meets the target "
+              "(`paraxis_moe.grouped.GROUPED_DEFAULT`); GPUs are not measured here, and "
+              "there the model's own choice (transformers' `grouped_mm`) stands."]
     if not args.no_write:
         write_section("moe_grouped", "\n".join(lines), {"rows": results})
 
