@@ -47,14 +47,16 @@ def prefer_two_experts(model, ids):
         h.remove()
 
 
-def train(degrees, rate, steps=STEPS):
+def train(degrees, rate, steps=STEPS, microbatches=1):
     model = build("deepseek_v3", layers=2, num_key_value_heads=4)
     g = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, 64, (BATCH, SEQ), generator=g) for _ in range(steps)]
     prefer_two_experts(model, batches[0])
-    config = ParallelConfig.from_kwargs(**degrees, moe={"bias_update_rate": rate,
-                                                        "aux_loss_coef": COEF})
-    engine = paraxis.parallelize(model, config=config, plan=plan_of(model),
+    config = ParallelConfig.from_kwargs(**degrees, microbatches=microbatches,
+                                        moe={"bias_update_rate": rate, "aux_loss_coef": COEF})
+    # A pipeline takes paraxis-hf's plan (stages); otherwise the MoE blocks suffice.
+    plan = None if "pipeline" in degrees else plan_of(model)
+    engine = paraxis.parallelize(model, config=config, plan=plan,
                                  train={"steps": steps, "lr": LR, "seq_length": SEQ})
     index, count = engine.grid.sample_shard()
     part = slice(index * BATCH // count, (index + 1) * BATCH // count)
@@ -62,13 +64,20 @@ def train(degrees, rate, steps=STEPS):
     for ids in batches:
         m = engine.train_step(ids[part])
         history.append((m["loss"], m["grad_norm"], m[AUX_LOSS], m["moe/load_imbalance"]))
-        biases.append(torch.stack([engine.model.get_submodule(f"{n}.gate").get_buffer(BIAS_NAME)
-                                   for n in LAYERS]).clone())
+        biases.append(torch.stack([_bias(engine.model, n) for n in LAYERS]).clone())
         last = engine.ctx.extras["expert"].last_step
         loads.append(torch.stack([last[n]["assigned"] for n in LAYERS]))
         assert ("moe/correction_bias_max" in m) == (rate > 0)
     engine.close()
     return history, torch.stack(biases), torch.stack(loads)
+
+
+def _bias(model, name):
+    """A layer's bias; NaN for a layer another pipeline stage holds."""
+    try:
+        return model.get_submodule(f"{name}.gate").get_buffer(BIAS_NAME)
+    except AttributeError:
+        return torch.full((4,), float("nan"))
 
 
 def imbalance(loads):
@@ -95,6 +104,19 @@ def test_bias_update_balances_and_equals_one_process(worlds):
     assert before > 1.4 and frozen > 1.25, "the router should prefer experts 0 and 1"
     assert after < 1.2
     assert ref_biases[-1].abs().max() > 0.05
+
+
+def test_each_pipeline_stage_updates_its_own_layers(worlds):
+    """pipeline=2 (one layer a stage, 2 microbatches) against one process on the same
+    microbatches: each stage's bias equals one process's for its layer, step by step."""
+    ref = worlds.run(1, train, {}, RATE, 12, 2)[0]
+    stages = worlds.run(2, train, {"pipeline": 2}, RATE, 12, 2)
+    for stage, (hist, biases, loads) in enumerate(stages):
+        assert torch.equal(loads, ref[2]), "the gathered counts differ from one process"
+        assert torch.equal(biases[:, stage], ref[1][:, stage]), f"stage {stage}'s bias"
+        assert biases[:, 1 - stage].isnan().all()  # the other stage's layer
+        assert_losses_close([h[0] for h in hist], [h[0] for h in ref[0]], "losses")
+    assert ref[1][-1].abs().max() > 0  # the biases moved
 
 
 def test_sequence_wise_loss_by_hand():
