@@ -8,7 +8,10 @@ experts in 2 groups, top-2 of the best group, sigmoid router with
   bit-identical after every step (they move by the global load, integers reduced
   exactly) and the losses, DeepSeek-V3's sequence-wise loss included, agree at the
   shared tolerance;
-* the sequence-wise loss is eq. 17-20 of arXiv:2412.19437, checked by hand."""
+* pipeline=2: each stage updates its own layer's bias, as one process does;
+* the sequence-wise loss is eq. 17-20 of arXiv:2412.19437, checked by hand; MiniMax-M2's
+  router (flattened tokens, bias on the block) gets it too; context parallelism, which
+  would split its sequences, is refused."""
 
 import pytest
 import torch
