@@ -64,6 +64,8 @@ def train(family, degrees, overrides, steps, options, order=None, seq=SEQ, batch
         share = {"input_ids": ids[part], "labels": labels[part]}
         if grads is None:  # the first batch's gradients, before any step
             grads = local_gradients(engine, share, in_precision="precision" in recipe)
+        if recipe.get("compile") and not history:  # what compiled is the layers
+            assert engine.ctx.extras["compile"].endswith("layers"), engine.ctx.extras
         m = engine.train_step(share)
         history.append((m["loss"], m["grad_norm"], m.get("moe/aux_loss")))
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(4))
@@ -81,8 +83,10 @@ def compare(worlds, family, degrees, *, overrides=None, steps=8, seq=SEQ, batch=
 
     The reference runs the same microbatches (see :func:`reference_order`) and the same
     ``moe`` section; a router loss, when the model has one, is compared per step too.
-    Weights are compared in fp32 only (see BF16_RTOL in paraxis.testing.tolerance)."""
+    Weights are compared in fp32 only (see BF16_RTOL in paraxis.testing.tolerance); a
+    ``compile`` in the recipe applies to the parallel run only (the reference is eager)."""
     recipe = recipe or {}
+    reference_recipe = {k: v for k, v in recipe.items() if k != "compile"}
     overrides = overrides or {}
     single = {k: v for k, v in options.items()
               if k in ("activation_checkpointing", "microbatches", "moe")}
@@ -90,10 +94,10 @@ def compare(worlds, family, degrees, *, overrides=None, steps=8, seq=SEQ, batch=
     order = reference_order(config.sample_shards, config.schedule.microbatches, batch)
     order = None if order == sorted(order) else order
     key = (family, repr(sorted(overrides.items())), steps, repr(sorted(single.items())),
-           repr(order), seq, batch, repr(sorted(recipe.items())))
+           repr(order), seq, batch, repr(sorted(reference_recipe.items())))
     if key not in _REFERENCES:  # layouts sharing a reference run it once per session
         _REFERENCES[key] = worlds.run(1, train, family, {}, overrides, steps, single,
-                                      order, seq, batch, recipe)[0]
+                                      order, seq, batch, reference_recipe)[0]
     ref_history, ref_eval, ref_shards, ref_grads = _REFERENCES[key]
     out = worlds.run(config.world_size, train, family, degrees, overrides, steps, options,
                      None, seq, batch, recipe)

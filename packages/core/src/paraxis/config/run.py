@@ -72,6 +72,9 @@ class TrainSection(_Section):
     # takes them, betas come from this section).
     optimizer: str = "adamw"
     optimizer_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # torch.compile each transformer layer after the axes apply (engine/compile.py):
+    # true is TorchInductor; a backend name (aot_eager) is passed through.
+    compile: bool | Literal["inductor", "aot_eager", "eager"] = False
     seed: int = 0
     log_every: PositiveInt = 10
     checkpoint_every: NonNegativeInt = 0  # 0: only at the end

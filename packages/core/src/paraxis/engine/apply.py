@@ -20,6 +20,7 @@ from paraxis.config.parallel import ParallelConfig
 from paraxis.config.rules import validate
 from paraxis.config.run import TrainSection
 from paraxis.config.shape import ModelShape
+from paraxis.engine.compile import backend_of, compile_layers, graph_breaks
 from paraxis.engine.engine import Engine
 from paraxis.engine.masks import MaskSupport, measure_masks
 from paraxis.engine.optim import WarmupCosine
@@ -156,6 +157,11 @@ def parallelize(
                              shape=model_shape)
     model, ctx = apply_parallelism(model, grid=grid, config=config, plugin_manager=pm,
                                    plan=model_plan)
+    backend = backend_of(train_cfg.compile)
+    if backend is not None:  # before the probe, which then checks the compiled layers
+        layers = compile_layers(model, model_plan, backend)
+        ctx.extras["compile"] = f"{backend}, {layers} layers"
+        ctx.step_hooks.append(graph_breaks())
     if optimizer is None:
         optimizer = build_optimizer(model, ctx, train_cfg)
     scheduler = WarmupCosine(optimizer, warmup=train_cfg.warmup_steps, total=train_cfg.steps,
