@@ -8,9 +8,9 @@ benchmarks/compile.py, with the parity probe checking it at ``parallelize``."""
 
 import pytest
 import torch
+from hf_parity import compare
 
 import paraxis
-from hf_parity import compare
 from paraxis_hf import build_debug_model
 
 COMPILED = {"compile": "aot_eager"}
