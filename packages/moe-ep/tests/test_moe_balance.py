@@ -10,8 +10,8 @@ experts in 2 groups, top-2 of the best group, sigmoid router with
   shared tolerance;
 * pipeline=2: each stage updates its own layer's bias, as one process does;
 * the sequence-wise loss is eq. 17-20 of arXiv:2412.19437, checked by hand; MiniMax-M2's
-  router (flattened tokens, bias on the block) gets it too; context parallelism, which
-  would split its sequences, is refused."""
+  router (flattened tokens, bias on the block) gets it too; context 2, which splits its
+  sequences over ranks, equals one process."""
 
 import pytest
 import torch
@@ -50,15 +50,17 @@ def prefer_two_experts(model, ids):
         h.remove()
 
 
-def train(degrees, rate, steps=STEPS, microbatches=1):
+def train(degrees, rate, steps=STEPS, microbatches=1, options=None):
     model = build("deepseek_v3", layers=2, num_key_value_heads=4)
     g = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, 64, (BATCH, SEQ), generator=g) for _ in range(steps)]
     prefer_two_experts(model, batches[0])
     config = ParallelConfig.from_kwargs(**degrees, microbatches=microbatches,
-                                        moe={"bias_update_rate": rate, "aux_loss_coef": COEF})
-    # A pipeline takes paraxis-hf's plan (stages); otherwise the MoE blocks suffice.
-    plan = None if "pipeline" in degrees else plan_of(model)
+                                        moe={"bias_update_rate": rate, "aux_loss_coef": COEF},
+                                        **(options or {}))
+    # A pipeline or tensor parallelism takes paraxis-hf's plan; otherwise the MoE
+    # blocks suffice.
+    plan = None if {"pipeline", "tensor"} & set(degrees) else plan_of(model)
     engine = paraxis.parallelize(model, config=config, plan=plan,
                                  train={"steps": steps, "lr": LR, "seq_length": SEQ})
     index, count = engine.grid.sample_shard()
@@ -166,14 +168,21 @@ def test_a_router_fed_flattened_tokens_gets_the_sequence_loss_and_the_update(wor
     assert m["moe/correction_bias_max"] == pytest.approx(0.01)
 
 
-def test_the_sequence_loss_under_context_parallelism_is_refused():
-    from paraxis_moe import ExpertParallelStrategy
-
-    model = build("deepseek_v3", num_key_value_heads=4)
-    problems = ExpertParallelStrategy.check_model(
-        model, ParallelConfig.from_kwargs(context=2, moe={"aux_loss_coef": 1e-3}),
-        plan_of(model))
-    assert [p.field for p in problems] == ["parallelism.context"]
-    assert "sequence-wise" in problems[0].rule
-    assert ExpertParallelStrategy.check_model(  # no loss: nothing to refuse
-        model, ParallelConfig.from_kwargs(context=2), plan_of(model)) == []
+@pytest.mark.parametrize("degrees,options", [({"context": 2}, {})], ids=["context2"])
+def test_the_sequence_loss_and_the_update_hold_where_sequences_are_split(worlds, degrees,
+                                                                         options):
+    """Context parallelism gives each rank a piece of every sequence: the per-sequence
+    counts are summed over the pieces (and over the tensor group under sequence
+    parallelism, the same code; this tiny DeepSeek-V3's attention has no sequence-parallel
+    plan, so tensor parallelism refuses it), so the sequence-wise loss, the routing and
+    the biases equal one process's."""
+    steps = 6
+    ref = worlds.run(1, train, {}, RATE, steps)[0]
+    world = 1
+    for d in degrees.values():
+        world *= d
+    for hist, biases, loads in worlds.run(world, train, degrees, RATE, steps, 1, options):
+        assert torch.equal(loads, ref[2]), "routing differs from one process"
+        assert torch.allclose(biases, ref[1]), "biases differ from one process"
+        for i, what in enumerate(("losses", "gradient norms", "sequence-wise losses")):
+            assert_losses_close([h[i] for h in hist], [h[i] for h in ref[0]], what)

@@ -52,8 +52,8 @@ def test_validation_rules_each_name_field_value_rule_fix():
     moe = ModelShape(64, 4, 2, 100, num_experts=6, experts_per_token=8)
     fields = {p.field: p for p in moe_problems(_config(expert=4, sequence_parallel=True,
                                                        tensor=2), moe, [])}
-    assert set(fields) == {"model.num_experts", "model.num_experts_per_tok",
-                           "parallelism.sequence_parallel"}
+    # Sequence parallelism is no longer refused: each tensor rank routes its shard.
+    assert set(fields) == {"model.num_experts", "model.num_experts_per_tok"}
     assert fields["model.num_experts"].value == 6 and "[1, 2, 3, 6]" in fields[
         "model.num_experts"].fix
     assert fields["model.num_experts_per_tok"].value == 8

@@ -25,6 +25,7 @@ the model wrote it and adds the two pieces training needs:
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paraxis.parallel.metric_names import moe_block, moe_total
+from paraxis.runtime.collectives import all_reduce_
 from paraxis_moe.router import AUX_LOSS, Z_LOSS, RouterLosses
 
 __all__ = ["BIAS_NAME", "BiasBalancer", "SequenceLosses", "correction_bias", "sigmoid_scored"]
@@ -70,15 +72,25 @@ def selected_experts(output: Any, top_k: int) -> torch.Tensor | None:
 
 class SequenceLosses(RouterLosses):
     """DeepSeek-V3's sequence-wise balance loss and the z-loss, split over ranks as
-    :class:`RouterLosses` splits Switch's (same interface, a carry of 2 numbers)."""
+    :class:`RouterLosses` splits Switch's (same interface, a carry of 2 numbers).
+
+    Where each sequence is split over ranks (``sequence_groups``: the context group, and
+    the tensor group under sequence parallelism), each rank holds a piece of every
+    sequence: the per-sequence expert counts (no gradient) are summed over those groups
+    before they weigh this rank's probability sums, divided by the whole sequence's
+    length, so the ranks' parts add up to the loss of the whole sequences; each rank
+    counts its sequences as a share of them."""
 
     @property
     def carry_size(self) -> int:
         """Numbers each forward carries: (layer, sequence) rows and token rows."""
         return 2
 
-    def __init__(self, num_experts: int, top_k: int, **kwargs: Any):
+    def __init__(self, num_experts: int, top_k: int, *,
+                 sequence_groups: tuple[Any, ...] = (), **kwargs: Any):
         super().__init__(num_experts, top_k, **kwargs)
+        self.sequence_groups = tuple(g for g in sequence_groups if g.size > 1)
+        self.split = math.prod(g.size for g in self.sequence_groups)
         self._rows: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         self._seq_len: int | None = None
 
@@ -121,13 +133,17 @@ class SequenceLosses(RouterLosses):
         lse_sq = torch.zeros((), dtype=torch.float32, device=device)
         for logits, chosen, seq_len in rows:
             seqs = logits.shape[0] // seq_len
+            whole = seq_len * self.split  # the length of the sequences this piece is of
             scores = torch.sigmoid(logits.float())
-            p = (scores / scores.sum(-1, keepdim=True)).view(seqs, seq_len, e).mean(1)
+            p = (scores / scores.sum(-1, keepdim=True)).view(seqs, seq_len, e).sum(1) / whole
             picks = torch.zeros(seqs, e, dtype=torch.float32, device=device)
             picks.scatter_add_(1, chosen.view(seqs, seq_len * k),
                                torch.ones(seqs, seq_len * k, device=device))
-            balance = balance + (picks * (e / (k * seq_len)) * p).sum()
-            counts += torch.tensor([seqs, logits.shape[0]], dtype=torch.float64, device=device)
+            for group in self.sequence_groups:  # the whole sequences' counts
+                all_reduce_(picks, group)
+            balance = balance + (picks * (e / (k * whole)) * p).sum()
+            counts += torch.tensor([seqs / self.split, logits.shape[0]], dtype=torch.float64,
+                                   device=device)
             if self.z_coef:
                 lse_sq = lse_sq + torch.logsumexp(logits.float(), -1).square().sum()
 

@@ -94,11 +94,6 @@ def moe_problems(config: Any, model: Any, problems: list[Problem]) -> list[Probl
         found.append(Problem("model.num_experts_per_tok", top_k,
                              f"routes each token to more experts than the {experts} there are",
                              f"set num_experts_per_tok <= {experts}"))
-    if experts and par.sequence_parallel:
-        found.append(Problem(
-            "parallelism.sequence_parallel", True, "a mixture-of-experts block would route "
-            "only its tensor rank's share of the sequence (experts and router are not "
-            "split by the tensor axis)", "set sequence_parallel: false for MoE models"))
     if moe.capacity_factor is not None and moe.capacity_factor <= 0:
         found.append(Problem("moe.capacity_factor", moe.capacity_factor,
                              "must be > 0 (or null: dropless)",

@@ -151,6 +151,7 @@ class ExpertParallel:
     def __init__(self, model: nn.Module | Sequence[nn.Module], blocks: Sequence[str],
                  group: AxisGroup, *, moe: MoEConfig | None = None,
                  token_group: AxisGroup | None = None, pipeline: AxisGroup | None = None,
+                 sequence_groups: tuple[AxisGroup, ...] = (),
                  allow_empty: bool = False):
         self.moe = moe or MoEConfig()
         self.group, self.token_group, self.pipeline = group, token_group, pipeline
@@ -179,10 +180,12 @@ class ExpertParallel:
         # DeepSeek-V3's sequence-wise loss for its sigmoid routers, Switch's otherwise.
         sequence_wise = bool(biases) and all(sigmoid_scored(r) for _, n, r, _ in parts
                                              if n in biases and r is not None)
-        loss_class = SequenceLosses if sequence_wise else RouterLosses
-        self.losses = loss_class(self.num_experts, self.top_k,
-                                 aux_coef=aux_coef(self.moe, cfg),
-                                 z_coef=self.moe.z_loss_coef, group=token_group)
+        common = {"aux_coef": aux_coef(self.moe, cfg), "z_coef": self.moe.z_loss_coef,
+                  "group": token_group}
+        self.losses = (SequenceLosses(self.num_experts, self.top_k,
+                                      sequence_groups=sequence_groups, **common)
+                       if sequence_wise else RouterLosses(self.num_experts, self.top_k,
+                                                          **common))
         if isinstance(self.losses, SequenceLosses):
             self._hooks = [root.get_submodule(name).register_forward_pre_hook(
                 self.losses.note_block_input) for root, name, _, _ in parts if name in biases]

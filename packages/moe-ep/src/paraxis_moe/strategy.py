@@ -31,9 +31,8 @@ from paraxis.config.errors import Problem
 from paraxis.parallel.model_plan import ModelPlan
 from paraxis.parallel.stages import chunks_of
 from paraxis.parallel.strategy import ApplyContext, Phase, Strategy
-from paraxis.runtime.grid import DENSE_REPLICA_AXES
-from paraxis_moe.balance import correction_bias, sigmoid_scored
-from paraxis_moe.config import aux_coef, group_limit_problems, moe_config
+from paraxis.runtime.grid import DENSE_REPLICA_AXES, SEQUENCE_SHARD_AXES
+from paraxis_moe.config import group_limit_problems, moe_config
 from paraxis_moe.experts import UnsupportedMoELayout
 from paraxis_moe.layer import ExpertParallel, find_blocks
 
@@ -67,7 +66,7 @@ class ExpertParallelStrategy(Strategy):
                          "choose parallelism.expert dividing the expert count")
                  for name, _, experts in blocks
                  if experts is not None and experts.num_experts % degree][:1]
-        return found + _sequence_loss_problems(model, config, blocks)
+        return found
 
     def apply(self, model: nn.Module, ctx: ApplyContext) -> nn.Module:
         plan = ctx.plan
@@ -75,8 +74,20 @@ class ExpertParallelStrategy(Strategy):
             raise RuntimeError("expert parallelism needs a model plan naming the MoE blocks "
                                "(paraxis-hf supplies one for transformers models)")
         moe = moe_config(ctx.config)
+        par = ctx.config.parallelism
+        # Under sequence parallelism each tensor rank routes its own share of the
+        # sequence (Megatron-Core's rule for tensor x expert): the routing counts and
+        # statistics are reduced over the tensor group too, and each rank's loss part is
+        # its own, not a copy.
+        routes_shard = par.sequence_parallel and par.tensor > 1
+        token_axes = SEQUENCE_SHARD_AXES if routes_shard else DENSE_REPLICA_AXES
+        ctx.aux_losses.split_over_tensor = routes_shard
+        # The groups that split each sequence (DeepSeek-V3's sequence-wise loss sums its
+        # per-sequence counts over them).
+        splitting = (ctx.grid.group("context"),
+                     *((ctx.grid.group("tensor"),) if routes_shard else ()))
         ep = ExpertParallel(chunks_of(model), plan.experts, ctx.grid.group("expert"), moe=moe,
-                            token_group=ctx.grid.group(DENSE_REPLICA_AXES),
+                            token_group=ctx.grid.group(token_axes), sequence_groups=splitting,
                             pipeline=ctx.grid.group("pipeline") if ctx.pipeline else None,
                             allow_empty=ctx.pipeline is not None)
         for name in ep.losses.names:
@@ -90,19 +101,3 @@ class ExpertParallelStrategy(Strategy):
         ctx.extras["expert"] = ep
         return model
 
-
-def _sequence_loss_problems(model: nn.Module, config: Any,
-                            blocks: list[tuple[str, nn.Module | None, Any]]) -> list[Problem]:
-    """DeepSeek-V3's sequence-wise loss needs each sequence whole on one rank; context
-    parallelism splits it (its per-sequence counts would need a reduction it lacks)."""
-    context = config.parallelism.context
-    if context == 1 or not aux_coef(moe_config(config), getattr(model, "config", None)):
-        return []
-    name = next((n for n, router, _ in blocks if router is not None and sigmoid_scored(router)
-                 and correction_bias(model.get_submodule(n)) is not None), None)
-    if name is None:
-        return []
-    return [Problem("parallelism.context", context,
-                    f"{name} is a sigmoid router with a correction bias, trained with "
-                    "DeepSeek-V3's sequence-wise balance loss, which needs each sequence "
-                    "whole on one rank", "set context: 1, or moe.aux_loss_coef: 0")]

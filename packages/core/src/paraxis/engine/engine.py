@@ -185,6 +185,8 @@ class Engine:
             # Through core's collective, so its bytes and blocked time are counted too.
             all_gather_into(every.view(-1), mine, self.grid.world)
         sums = every[self._loss_ranks, :-2].sum(dim=0).tolist()
+        if aux.split_over_tensor:  # every tensor rank holds its own part
+            sums[1:] = every[:, 1:-2].sum(dim=0).tolist()
         self.stop_agreed = bool(every[:, -2].max() > 0)  # every rank sees the same
         times = every[:, -1].tolist()
         return sums, min(times), max(times)

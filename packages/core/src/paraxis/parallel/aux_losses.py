@@ -48,6 +48,10 @@ class AuxLosses:
     """
 
     def __init__(self) -> None:
+        # Parts differ between tensor ranks (a router that sees only its rank's share of
+        # the sequence under sequence parallelism): the engine sums them over every
+        # rank, not only over tensor rank 0, where tensor ranks hold copies.
+        self.split_over_tensor = False
         self.names: list[str] = []
         self._parts: dict[str, torch.Tensor] = {}
         # This rank's popped values of the current step, by name (summed).

@@ -28,6 +28,7 @@ from paraxis.runtime.liveness import Heartbeat
 __all__ = [
     "DENSE_REPLICA_AXES",
     "EXPERT_REPLICA_AXES",
+    "SEQUENCE_SHARD_AXES",
     "AxisGroup",
     "Grid",
     "GridLayout",
@@ -39,6 +40,9 @@ __all__ = [
 DENSE_REPLICA_AXES: tuple[str, ...] = TOKEN_AXES
 # Expert parameters are sharded over `expert`, so they are replicated only over these.
 EXPERT_REPLICA_AXES: tuple[str, ...] = tuple(a for a in TOKEN_AXES if a != "expert")
+# Under sequence parallelism a module outside the tensor-parallel regions (a router) sees
+# only its tensor rank's share of the sequence: these ranks hold distinct tokens there.
+SEQUENCE_SHARD_AXES: tuple[str, ...] = (*TOKEN_AXES, "tensor")
 
 
 def _canonical(axes: str | Iterable[str]) -> tuple[str, ...]:
@@ -92,7 +96,8 @@ class Grid:
 
     # The groups every run gets; more can be asked for by axis tuple.
     STANDARD: tuple[tuple[str, ...], ...] = (
-        *((a,) for a in AXES), DENSE_REPLICA_AXES, EXPERT_REPLICA_AXES, AXES,
+        *((a,) for a in AXES), DENSE_REPLICA_AXES, EXPERT_REPLICA_AXES,
+        SEQUENCE_SHARD_AXES, AXES,
     )
 
     def __init__(self, layout: GridLayout, rank: int, groups: Mapping[tuple[str, ...], AxisGroup],
