@@ -1,0 +1,96 @@
+"""A transformers model on the meta device, and the loop that gives each rank its pieces.
+
+Both ways to start a model bigger than a rank share these: :func:`meta_model` builds it
+with no parameter storage (modules that hold only computed buffers, rotary embeddings,
+are rebuilt for real, since their values come from the config and not from a file or a
+seed), and :func:`fill_meta_parameters` is the ``paraxis.parallel.strategy.
+MATERIALIZE_ATTR`` loop core calls once the layout is known: each parameter still on the
+meta device gets a tensor of its local shape, and each real block of it
+(``Placement.pieces``: tensor shards, packed blocks, an expert's rows; padding rows stay
+zero) is asked of a source, a safetensors slice (:mod:`paraxis_hf.pretrained`) or a
+layout-invariant draw (:class:`InvariantInit`). A rank never holds more than its own
+parameters (DeepSpeed-style meta init, transformers' ``device_map`` loading).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from paraxis.parallel.placement import Piece, Placement, placement_of
+from paraxis_hf.invariant_init import InitRule, piece_values
+
+__all__ = ["InvariantInit", "fill_meta_parameters", "meta_model"]
+
+
+def meta_model(config: Any) -> nn.Module:
+    """``AutoModelForCausalLM.from_config`` with every parameter on the meta device;
+    modules that hold only computed buffers (rotary embeddings) are rebuilt for real.
+    Raises ValueError for a module that holds both (its buffers cannot be rebuilt)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    for name, module in list(model.named_modules()):
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            if any(True for _ in module.parameters(recurse=False)):
+                raise ValueError(f"{type(model).__name__}: {name} holds parameters and "
+                                 "computed buffers, which paraxis cannot rebuild off the "
+                                 "meta device")
+            parent, _, attr = name.rpartition(".")
+            owner = model.get_submodule(parent) if parent else model
+            setattr(owner, attr, type(module)(config=getattr(module, "config", config)))
+    return model
+
+
+@torch.no_grad()
+def fill_meta_parameters(model: nn.Module, device: torch.device,
+                         value: Callable[[Placement, Piece], torch.Tensor]) -> int:
+    """Give every meta parameter of ``model`` its local tensor on ``device``, each piece
+    from ``value(record, piece)``; buffers follow to ``device``. The parameter object
+    stays the same (every reference, tied ones included, holds). Returns the bytes
+    allocated."""
+    allocated = 0
+    for param in model.parameters():
+        if not param.is_meta:
+            continue
+        rec = placement_of(param)
+        local = torch.zeros(rec.local_shape, dtype=param.dtype, device=device)
+        for piece in rec.pieces():
+            local[piece.local] = value(rec, piece)
+        new = nn.Parameter(local, requires_grad=param.requires_grad)
+        new.__dict__.update(param.__dict__)  # the placement and anything else set
+        torch.utils.swap_tensors(param, new)
+        allocated += local.numel() * local.element_size()
+    model.to(device)  # buffers
+    return allocated
+
+
+class InvariantInit:
+    """Materializes a model built from config: each piece drawn from (seed, name,
+    element) by :func:`paraxis_hf.invariant_init.piece_values` under the family's own
+    rule (:func:`paraxis_hf.init_rules.record_init_rules`), so every layout starts from
+    the same model."""
+
+    def __init__(self, rules: dict[str, InitRule], seed: int,
+                 device: torch.device | None = None):
+        self.rules, self.seed, self.device = rules, seed, device
+        self.allocated_bytes = 0
+
+    def value(self, rec: Placement, piece: Piece) -> torch.Tensor:
+        rule = self.rules.get(rec.name)
+        if rule is None:
+            raise KeyError(f"{rec.name}: no init rule recorded (known: "
+                           f"{sorted(self.rules)[:3]}...); was the model rebuilt?")
+        return piece_values(rule, seed=self.seed, name=rec.name,
+                            global_shape=rec.global_shape, where=piece.where,
+                            dtype=rec.dtype)
+
+    def __call__(self, model: nn.Module) -> None:
+        from paraxis.runtime.world import device_for_rank
+
+        device = self.device or device_for_rank()
+        self.allocated_bytes += fill_meta_parameters(model, device, self.value)
