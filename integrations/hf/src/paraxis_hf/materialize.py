@@ -14,6 +14,8 @@ parameters (DeepSpeed-style meta init, transformers' ``device_map`` loading).
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +48,30 @@ def meta_model(config: Any) -> nn.Module:
     return model
 
 
+# Elements asked of the source at a time: a piece is split along its first dimension
+# so that the transient copy stays small beside the parameter it fills (an embedding's
+# piece whole would double its rank's peak while it is copied in).
+CHUNK = 1 << 18
+
+
+def _row_chunks(piece: Piece) -> list[Piece]:
+    """``piece`` cut along dimension 0 into blocks of about :data:`CHUNK` elements
+    (``local`` and ``where`` cut; the sources read nothing else)."""
+    if not piece.where:
+        return [piece]
+    row = math.prod(s.stop - s.start for s in piece.where[1:])
+    first, last = piece.where[0].start, piece.where[0].stop
+    step = max(1, CHUNK // max(row, 1))
+    if last - first <= step:
+        return [piece]
+    at = piece.local[0].start
+    return [dataclasses.replace(
+        piece, local=(slice(at + a - first, at + min(a + step, last) - first),
+                      *piece.local[1:]),
+        where=(slice(a, min(a + step, last)), *piece.where[1:]))
+        for a in range(first, last, step)]
+
+
 @torch.no_grad()
 def fill_meta_parameters(model: nn.Module, device: torch.device,
                          value: Callable[[Placement, Piece], torch.Tensor]) -> int:
@@ -60,7 +86,8 @@ def fill_meta_parameters(model: nn.Module, device: torch.device,
         rec = placement_of(param)
         local = torch.zeros(rec.local_shape, dtype=param.dtype, device=device)
         for piece in rec.pieces():
-            local[piece.local] = value(rec, piece)
+            for part in _row_chunks(piece):
+                local[part.local] = value(rec, part)
         new = nn.Parameter(local, requires_grad=param.requires_grad)
         new.__dict__.update(param.__dict__)  # the placement and anything else set
         torch.utils.swap_tensors(param, new)
