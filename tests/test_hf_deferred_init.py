@@ -24,6 +24,7 @@ import torch
 
 import paraxis
 from paraxis import ParallelConfig
+from paraxis.testing.memory import AnonPeak
 from paraxis.testing.parity import assemble, local_shards, train_on_random_tokens
 from paraxis.testing.tolerance import assert_losses_close
 
@@ -112,8 +113,6 @@ def construction(options):
     """Bytes the materializer allocated on this rank, the peak anonymous memory added
     while the model was built and laid out, and the bytes of parameters it holds. Run
     twice; the first pays for imports and process groups."""
-    from test_hf_pretrained import AnonPeak
-
     from paraxis.parallel.strategy import MATERIALIZE_ATTR
 
     for _ in range(2):
