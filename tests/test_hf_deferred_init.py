@@ -11,7 +11,8 @@ and Mixtral (experts stacked in one tensor: expert 2, expert 2 x tensor 2, ZeRO-
 data 2). A rank that drew its slice from its own seed, as Megatron does, fails this
 (``test_a_rank_local_seed_is_caught`` plants that bug). Memory: each rank of a two-way
 split allocates exactly its parameters' bytes, under 0.6 of the whole model, and its
-peak anonymous memory while the model is built and laid out stays under 0.75 of it.
+peak anonymous memory while the model is built and laid out stays under 0.75 of it;
+under tensor 2 x pipeline 2 a 0.1B model costs each rank at most 0.30 of it.
 Training: a few steps from the deferred model match one process at the shared tolerance,
 and so does ``paraxis train`` of a family from config."""
 
@@ -109,16 +110,25 @@ def test_a_rank_local_seed_is_caught(worlds):
         assert_identical(full, one_process(worlds, "llama"))
 
 
-def construction(options):
+SMALL = {"vocab_size": BIG_VOCAB, "hidden_size": 64}
+# About 100M parameters (12 layers of hidden 768, a 16,000-token vocabulary), the size
+# at which the issue asks the suite for the benchmark's ratio. A rank of the first
+# stage holds half the embedding and half of six layers: a quarter of the model.
+LARGE = {"vocab_size": 16_000, "hidden_size": 768, "intermediate_size": 2048,
+         "num_hidden_layers": 12, "num_attention_heads": 16, "num_key_value_heads": 4,
+         "max_position_embeddings": 64}
+
+
+def construction(options, overrides):
     """Bytes the materializer allocated on this rank, the peak anonymous memory added
-    while the model was built and laid out, and the bytes of parameters it holds. Run
-    twice; the first pays for imports and process groups."""
+    while the model was built and laid out, and the bytes of parameters it holds. A
+    small build first pays for imports and process groups."""
     from paraxis.parallel.strategy import MATERIALIZE_ATTR
 
-    for _ in range(2):
+    for sizes in (SMALL, overrides):
         gc.collect()
         with AnonPeak() as peak:
-            model = deferred_model("llama", vocab_size=BIG_VOCAB, hidden_size=64)
+            model = deferred_model("llama", **sizes)
             materializer = getattr(model, MATERIALIZE_ATTR)
             engine = paraxis.parallelize(model, **options, verify=False)
         held = sum(p.numel() * p.element_size() for p in engine.model.parameters())
@@ -127,22 +137,35 @@ def construction(options):
     return materializer.allocated_bytes, peak.added, held
 
 
-def whole_bytes():
-    model = deferred_model("llama", vocab_size=BIG_VOCAB, hidden_size=64)
-    return sum(p.numel() * 4 for p in model.parameters())
+def whole_bytes(overrides):
+    return sum(p.numel() * 4 for p in deferred_model("llama", **overrides).parameters())
+
+
+def report(options, total, out):
+    print(f"{options}: whole model {total / 2**20:.1f} MiB; per rank allocated / peak "
+          "anonymous RSS added: " + ", ".join(
+              f"{a / 2**20:.1f} / {p / 2**20:.1f} MiB" for a, p, *_ in out))
 
 
 def test_each_rank_materializes_only_its_share(worlds):
-    total = whole_bytes()
-    alone = worlds.run(1, construction, {})[0]
-    assert alone[0] == total
+    total = whole_bytes(SMALL)
+    assert worlds.run(1, construction, {}, SMALL)[0][0] == total
     for options in ({"tensor": 2}, {"pipeline": 2, "microbatches": 2}):
-        out = worlds.run(2, construction, options)
-        print(f"{options}: whole model {total / 2**20:.1f} MiB; per rank allocated / peak "
-              "anonymous RSS added: " + ", ".join(
-                  f"{a / 2**20:.1f} / {p / 2**20:.1f} MiB" for a, p, *_ in out))
+        out = worlds.run(2, construction, options, SMALL)
+        report(options, total, out)
         for allocated, peak, held in out:
             assert allocated == held and allocated < 0.6 * total and peak < 0.75 * total
+
+
+def test_a_100m_model_costs_each_rank_under_0_3_of_it(worlds):
+    """Tensor 2 x pipeline 2: each rank adds at most 0.30 of the whole model's fp32
+    bytes while it is built and laid out (benchmarks/construct_memory.py, at 0.40B)."""
+    options = {"tensor": 2, "pipeline": 2, "microbatches": 2}
+    total = whole_bytes(LARGE)
+    out = worlds.run(4, construction, options, LARGE)
+    report(options, total, out)
+    for allocated, peak, held in out:
+        assert allocated == held and peak <= 0.30 * total
 
 
 def train_deferred(family, options):
