@@ -111,10 +111,10 @@ def test_a_rank_local_seed_is_caught(worlds):
 
 
 SMALL = {"vocab_size": BIG_VOCAB, "hidden_size": 64}
-# About 100M parameters (12 layers of hidden 768, a 16,000-token vocabulary), the size
-# at which the issue asks the suite for the benchmark's ratio. A rank of the first
+# About 100M parameters (0.13B: 12 layers of hidden 768, a 16,000-token vocabulary), the
+# size at which the issue asks the suite for the benchmark's ratio. A rank of the first
 # stage holds half the embedding and half of six layers: a quarter of the model.
-LARGE = {"vocab_size": 16_000, "hidden_size": 768, "intermediate_size": 2048,
+LARGE = {"vocab_size": 16_000, "hidden_size": 768, "intermediate_size": 3072,
          "num_hidden_layers": 12, "num_attention_heads": 16, "num_key_value_heads": 4,
          "max_position_embeddings": 64}
 

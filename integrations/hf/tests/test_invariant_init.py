@@ -2,7 +2,9 @@
 ``_init_weights``, without processes: any block of a tensor, drawn alone, equals the
 same block of the tensor drawn whole (tiles cut small so that blocks straddle them);
 the rules are the family's (GPT-2's scaled residual projections, zero biases, unit
-norms, a padding row); what cannot be replayed piece by piece is refused by name."""
+norms, a padding row); buffers are the whole model's; what cannot be replayed piece by
+piece is refused by name (Mamba's ``A_log``, copied from an arange), and the trainer
+then builds that family whole."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from paraxis_hf import invariant_init
 from paraxis_hf.invariant_init import Draw, Fill, InitRule, piece_values
 
 pytest.importorskip("transformers")
+
+MAMBA = {"hidden_size": 32, "num_hidden_layers": 2, "vocab_size": 128, "state_size": 4}
 
 
 def whole(rule, shape, seed=1, name="w"):
@@ -85,6 +89,8 @@ def test_each_family_keeps_its_own_rule():
 
 
 def test_an_init_that_cannot_be_replayed_is_refused_by_name():
+    from transformers import AutoConfig
+
     from paraxis_hf.init_rules import record_init_rules
     from paraxis_hf.materialize import meta_model
 
@@ -96,11 +102,22 @@ def test_an_init_that_cannot_be_replayed_is_refused_by_name():
     refused = r"21 parameter.*embed_tokens.weight: no fill .*down_proj.weight: copy_"
     with pytest.raises(ValueError, match=refused + ".*deferred=False"):
         record_init_rules(model)
-    from transformers import AutoConfig
+    mamba = meta_model(AutoConfig.for_model("mamba", **MAMBA))  # A_log copied from arange
+    with pytest.raises(ValueError, match=r"A_log: copy_"):
+        record_init_rules(mamba)
 
-    from paraxis_hf import DEBUG_CONFIGS
-    with pytest.raises(ValueError, match="embed_tokens holds parameters and computed"):
-        meta_model(AutoConfig.for_model("gemma2", **DEBUG_CONFIGS["gemma2"]))
+
+@pytest.mark.parametrize("family", ["gemma2", "llama"])
+def test_buffers_are_computed_as_the_whole_model_computes_them(family):
+    """Rotary frequencies, Gemma's embedding scale: real, and the whole model's."""
+    from paraxis_hf import DEBUG_CONFIGS, build_causal_lm
+
+    model, _ = rules_of(family)
+    whole = dict(build_causal_lm(family, DEBUG_CONFIGS[family]).named_buffers())
+    buffers = dict(model.named_buffers())
+    assert buffers.keys() == whole.keys() and buffers
+    for name, buffer in buffers.items():
+        assert not buffer.is_meta and torch.equal(buffer, whole[name]), name
 
 
 def test_the_trainer_builds_families_deferred_and_tiny_whole():
@@ -114,7 +131,6 @@ def test_the_trainer_builds_families_deferred_and_tiny_whole():
     llama = ModelSection(family="llama", config=DEBUG_CONFIGS["llama"])
     assert deferred(build_model(llama, pm, deferred=True))
     assert not deferred(build_model(llama, pm))
-    with pytest.warns(UserWarning, match="gemma2.*built whole"):
-        gemma = build_model(ModelSection(family="gemma2", config=DEBUG_CONFIGS["gemma2"]),
-                            pm, deferred=True)
-    assert not deferred(gemma)
+    with pytest.warns(UserWarning, match="mamba.*built whole"):
+        mamba = build_model(ModelSection(family="mamba", config=MAMBA), pm, deferred=True)
+    assert not deferred(mamba) and not any(p.is_meta for p in mamba.parameters())

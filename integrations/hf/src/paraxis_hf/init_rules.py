@@ -42,6 +42,7 @@ _FILLS = {
     "ones_": lambda a, k: Fill(1.0),
 }
 _ALIASES = {"__get__", "detach", "detach_"}  # ``param.data``, ``param.detach()``
+_NO_VALUE = {"requires_grad_", "retain_grad"}  # in place, but not on the values
 
 
 def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any) -> Any:
@@ -88,7 +89,7 @@ class _Recorder(TorchFunctionMode):
         if fname in _FILLS:
             self._record(name, rows, _FILLS[fname](rest, extra), fname)
             return tensor
-        if fname.endswith("_") and not fname.startswith("__"):
+        if fname.endswith("_") and not fname.startswith("__") and fname not in _NO_VALUE:
             self.refused.setdefault(name, f"{fname} (an in-place op paraxis cannot replay "
                                           "slice by slice)")
             return tensor
@@ -116,6 +117,11 @@ class _Recorder(TorchFunctionMode):
             self.refused.setdefault(name, f"{fname} on rows {rows} of it")
 
 
+def _clear_flags(model: nn.Module) -> None:
+    for module in model.modules():
+        module.__dict__.pop("_is_hf_initialized", None)
+
+
 def record_init_rules(model: nn.Module) -> dict[str, InitRule]:
     """Every parameter's rule, by its first name (tied parameters once), from
     ``model.initialize_weights()`` run on the meta device. Raises ValueError naming the
@@ -128,14 +134,15 @@ def record_init_rules(model: nn.Module) -> dict[str, InitRule]:
         raise ValueError(f"{type(model).__name__} has no initialize_weights (not a "
                          "transformers model): no init rule to read")
     recorder = _Recorder({id(p): n for n, p in named.items()})
-    flagged = {id(m) for m in model.modules() if "_is_hf_initialized" in m.__dict__}
+    # transformers flags each module it initialized; on the meta device nothing was,
+    # and a flag left set would hide the module's fills from the recorder (before) or
+    # from a later, real initialize_weights (after).
+    _clear_flags(model)
     try:
         with torch.no_grad(), recorder:
             initialize()
-    finally:  # the flag would stop a later, real initialize_weights
-        for module in model.modules():
-            if id(module) not in flagged:
-                module.__dict__.pop("_is_hf_initialized", None)
+    finally:
+        _clear_flags(model)
     missing = [n for n in named if n not in recorder.rules and n not in recorder.refused]
     problems = {**recorder.refused, **dict.fromkeys(missing, "no fill reaches it")}
     if problems:

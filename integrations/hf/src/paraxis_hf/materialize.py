@@ -1,22 +1,24 @@
 """A transformers model on the meta device, and the loop that gives each rank its pieces.
 
-Both ways to start a model bigger than a rank share these: :func:`meta_model` builds it
-with no parameter storage (modules that hold only computed buffers, rotary embeddings,
-are rebuilt for real, since their values come from the config and not from a file or a
-seed), and :func:`fill_meta_parameters` is the ``paraxis.parallel.strategy.
-MATERIALIZE_ATTR`` loop core calls once the layout is known: each parameter still on the
-meta device gets a tensor of its local shape, and each real block of it
-(``Placement.pieces``: tensor shards, packed blocks, an expert's rows; padding rows stay
-zero) is asked of a source, a safetensors slice (:mod:`paraxis_hf.pretrained`) or a
-layout-invariant draw (:class:`InvariantInit`). A rank never holds more than its own
-parameters (DeepSpeed-style meta init, transformers' ``device_map`` loading).
+Both ways to start a model bigger than a rank share these. :func:`meta_model` builds it
+with no parameter storage (buffers, rotary frequencies and the like, are computed for
+real: their values come from the config, not from a file or a seed).
+:func:`fill_meta_parameters` is the loop behind ``MATERIALIZE_ATTR``
+(``paraxis.parallel.strategy``) that core calls once the layout is known: each
+parameter still on the meta device gets a tensor of its local shape, and each real
+block of it (``Placement.pieces``: tensor shards, packed blocks, an expert's rows;
+padding rows stay zero) is asked of a source, a safetensors slice
+(:mod:`paraxis_hf.pretrained`) or a layout-invariant draw (:class:`InvariantInit`). A
+rank never holds more than its own parameters (DeepSpeed-style meta init,
+transformers' ``device_map`` loading).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -28,23 +30,55 @@ from paraxis_hf.invariant_init import InitRule, piece_values
 __all__ = ["InvariantInit", "fill_meta_parameters", "meta_model"]
 
 
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Every parameter a module registers moves to the meta device at once; buffers
+    stay where they are made (accelerate's ``init_empty_weights(include_buffers=False)``).
+    A constructor's ``torch.empty`` is freed untouched, so it does not stay resident."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = type(param)(param.to("meta"),
+                                                   requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
 def meta_model(config: Any) -> nn.Module:
-    """``AutoModelForCausalLM.from_config`` with every parameter on the meta device;
-    modules that hold only computed buffers (rotary embeddings) are rebuilt for real.
-    Raises ValueError for a module that holds both (its buffers cannot be rebuilt)."""
+    """``AutoModelForCausalLM.from_config`` with every parameter on the meta device and
+    every buffer computed for real: they come from the config, not from a file or a
+    seed, and are small. Modules that hold only buffers (rotary embeddings) are rebuilt
+    from the config; if another module holds both (Gemma's scaled embedding), the model
+    is built a second time with only its parameters on the meta device
+    (:func:`_parameters_on_meta`) and its buffers are taken from there. That second
+    build is kept for those families: its constructors' freed ``torch.empty`` buffers
+    move glibc's mmap threshold, which costs a sharded rank a few MB of heap."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+    mixed = False
     for name, module in list(model.named_modules()):
         if any(b.is_meta for b in module.buffers(recurse=False)):
             if any(True for _ in module.parameters(recurse=False)):
-                raise ValueError(f"{type(model).__name__}: {name} holds parameters and "
-                                 "computed buffers, which paraxis cannot rebuild off the "
-                                 "meta device")
+                mixed = True
+                continue
             parent, _, attr = name.rpartition(".")
             owner = model.get_submodule(parent) if parent else model
             setattr(owner, attr, type(module)(config=getattr(module, "config", config)))
+    if mixed:
+        with _parameters_on_meta():
+            real = dict(AutoModelForCausalLM.from_config(config).named_buffers())
+        for name, buffer in list(model.named_buffers()):
+            if buffer.is_meta:
+                parent, _, attr = name.rpartition(".")
+                model.get_submodule(parent)._buffers[attr] = real[name]
     return model
 
 
