@@ -6,13 +6,14 @@ Equality: the initial weights, gathered from the ranks (``paraxis.testing.parity
 assemble``), equal one process's element for element (``torch.equal``, no tolerance) on
 Llama (tensor 2, pipeline 2 x tensor 2, ZeRO-3 over data 4), GPT-2 (its scaled residual
 projections and tied head; it has no tensor or pipeline plan, so ZeRO-3 over data 2 and
-4), Qwen2 (zero q/k/v biases sharded with their heads: tensor 2, pipeline 2 x tensor 2)
-and Mixtral (experts stacked in one tensor: expert 2, expert 2 x tensor 2, ZeRO-3 over
+4), Qwen2 (zero q/k/v biases sharded with their heads: tensor 2, pipeline 2 x tensor 2),
+Gemma-2 (its embedding scale a buffer beside a parameter: tensor 2) and Mixtral
+(experts stacked in one tensor: expert 2, expert 2 x tensor 2, ZeRO-3 over
 data 2). A rank that drew its slice from its own seed, as Megatron does, fails this
 (``test_a_rank_local_seed_is_caught`` plants that bug). Memory: each rank of a two-way
 split allocates exactly its parameters' bytes, under 0.6 of the whole model, and its
 peak anonymous memory while the model is built and laid out stays under 0.75 of it;
-under tensor 2 x pipeline 2 a 0.1B model costs each rank at most 0.30 of it.
+under tensor 2 x pipeline 2 a 0.13B model costs each rank at most 0.30 of it.
 Training: a few steps from the deferred model match one process at the shared tolerance,
 and so does ``paraxis train`` of a family from config."""
 
@@ -57,6 +58,7 @@ LAYOUTS = [
     ("llama", {"data": 4, "zero": 3}),
     ("gpt2", {"data": 2, "zero": 3}), ("gpt2", {"data": 4, "zero": 3}),
     ("qwen2", {"tensor": 2}), ("qwen2", {"pipeline": 2, "tensor": 2, "microbatches": 2}),
+    ("gemma2", {"tensor": 2}),
     ("mixtral", {"expert": 2}), ("mixtral", {"expert": 2, "tensor": 2}),
     ("mixtral", {"data": 2, "zero": 3}),
 ]
