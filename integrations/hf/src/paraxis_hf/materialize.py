@@ -43,7 +43,7 @@ def _parameters_on_meta() -> Iterator[None]:
             module._parameters[name] = type(param)(param.to("meta"),
                                                    requires_grad=param.requires_grad)
 
-    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
