@@ -134,3 +134,30 @@ def test_the_trainer_builds_families_deferred_and_tiny_whole():
     with pytest.warns(UserWarning, match="mamba.*built whole"):
         mamba = build_model(ModelSection(family="mamba", config=MAMBA), pm, deferred=True)
     assert not deferred(mamba) and not any(p.is_meta for p in mamba.parameters())
+
+
+def test_fills_through_data_and_torch_init_are_read_with_the_global_shape():
+    """Older families write ``module.weight.data.normal_(...)``; ``xavier_uniform_``
+    computes its bound from the fans, which the meta tensor has whole."""
+    import math
+
+    from paraxis_hf.init_rules import record_init_rules
+
+    model, _ = rules_of("llama")
+
+    def init(module):
+        if isinstance(module, torch.nn.Linear):
+            module.weight.data.normal_(0.0, 0.1)
+        elif isinstance(module, torch.nn.Embedding):
+            torch.nn.init.xavier_uniform_(module.weight)
+        elif getattr(module, "weight", None) is not None:
+            module.weight.data.fill_(2.0)
+
+    for owner in (model, model.model):
+        owner._init_weights = init
+    rules = record_init_rules(model)
+    assert rules["model.layers.1.self_attn.q_proj.weight"].base == Draw("normal", 0.0, 0.1)
+    bound = math.sqrt(6 / (128 + 32))  # vocabulary 128, hidden 32
+    embed = rules["model.embed_tokens.weight"].base
+    assert embed.kind == "uniform" and math.isclose(embed.b, bound) and embed.a == -embed.b
+    assert rules["model.norm.weight"].base == Fill(2.0)
