@@ -19,7 +19,7 @@ from paraxis.testing.parity import (
     local_gradients,
     local_shards,
 )
-from paraxis.testing.tolerance import assert_losses_close
+from paraxis.testing.tolerance import STEP_RTOL, assert_losses_close
 from paraxis_hf import build_debug_model
 
 LR, BATCH, SEQ = 1e-3, 8, 16
@@ -39,15 +39,18 @@ def reference_order(count, microbatches, batch=BATCH):
             for j in range(size)]
 
 
-def train(family, degrees, overrides, steps, options, order=None, seq=SEQ, batch=BATCH):
+def train(family, degrees, overrides, steps, options, order=None, seq=SEQ, batch=BATCH,
+          recipe=None):
     """Train ``steps`` steps of ``batch`` sequences of ``seq`` tokens; returns per-step
     (loss, grad_norm, router loss or None), an eval loss and shards. ``order`` permutes
-    each global batch's samples first."""
+    each global batch's samples first; ``recipe`` adds to the train section (precision,
+    optimizer), and the first step's gradients are taken in its precision."""
     config = ParallelConfig.from_kwargs(**degrees, **options)
     model = build_debug_model(family, **overrides)
     vocab = model.config.vocab_size
+    recipe = recipe or {}
     engine = paraxis.parallelize(model, config=config, train={
-        "steps": steps, "lr": LR, "warmup_steps": 2, "seq_length": seq})
+        "steps": steps, "lr": LR, "warmup_steps": 2, "seq_length": seq, **recipe})
     index, count = engine.grid.sample_shard()
     part = slice(index * batch // count, (index + 1) * batch // count)
     g = torch.Generator().manual_seed(3)
@@ -60,7 +63,9 @@ def train(family, degrees, overrides, steps, options, order=None, seq=SEQ, batch
             ids, labels = ids[order], labels[order]
         share = {"input_ids": ids[part], "labels": labels[part]}
         if grads is None:  # the first batch's gradients, before any step
-            grads = local_gradients(engine, share)
+            grads = local_gradients(engine, share, in_precision="precision" in recipe)
+        if recipe.get("compile") and not history:  # what compiled is the layers
+            assert engine.ctx.extras["compile"].endswith("layers"), engine.ctx.extras
         m = engine.train_step(share)
         history.append((m["loss"], m["grad_norm"], m.get("moe/aux_loss")))
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(4))
@@ -71,12 +76,17 @@ def train(family, degrees, overrides, steps, options, order=None, seq=SEQ, batch
 
 
 def compare(worlds, family, degrees, *, overrides=None, steps=8, seq=SEQ, batch=BATCH,
-            **options):
+            recipe=None, rtol=STEP_RTOL, **options):
     """Run ``degrees`` and one process on ``family`` (``batch`` sequences of ``seq``
-    tokens per step); assert parity; return the runs.
+    tokens per step), both with ``recipe`` (train options); assert parity at ``rtol``;
+    return the runs.
 
     The reference runs the same microbatches (see :func:`reference_order`) and the same
-    ``moe`` section; a router loss, when the model has one, is compared per step too."""
+    ``moe`` section; a router loss, when the model has one, is compared per step too.
+    Weights are compared in fp32 only (see BF16_RTOL in paraxis.testing.tolerance); a
+    ``compile`` in the recipe applies to the parallel run only (the reference is eager)."""
+    recipe = recipe or {}
+    reference_recipe = {k: v for k, v in recipe.items() if k != "compile"}
     overrides = overrides or {}
     single = {k: v for k, v in options.items()
               if k in ("activation_checkpointing", "microbatches", "moe")}
@@ -84,27 +94,28 @@ def compare(worlds, family, degrees, *, overrides=None, steps=8, seq=SEQ, batch=
     order = reference_order(config.sample_shards, config.schedule.microbatches, batch)
     order = None if order == sorted(order) else order
     key = (family, repr(sorted(overrides.items())), steps, repr(sorted(single.items())),
-           repr(order), seq, batch)
+           repr(order), seq, batch, repr(sorted(reference_recipe.items())))
     if key not in _REFERENCES:  # layouts sharing a reference run it once per session
         _REFERENCES[key] = worlds.run(1, train, family, {}, overrides, steps, single,
-                                      order, seq, batch)[0]
+                                      order, seq, batch, reference_recipe)[0]
     ref_history, ref_eval, ref_shards, ref_grads = _REFERENCES[key]
     out = worlds.run(config.world_size, train, family, degrees, overrides, steps, options,
-                     None, seq, batch)
+                     None, seq, batch, recipe)
     print(f"{family} {degrees} {options}: worst relative difference over {steps} steps "
           + ", ".join(f"{what} {_worst(out, ref_history, i):.1e}" for i, what in
                       enumerate(("loss", "grad norm", "router loss"))
                       if ref_history[0][i] is not None))
-    assert_same_gradients([g for *_, g in out], ref_grads)
+    assert_same_gradients([g for *_, g in out], ref_grads, rtol=rtol)
     for history, eval_loss, _, _ in out:
-        assert_losses_close([h[0] for h in history], [h[0] for h in ref_history])
+        assert_losses_close([h[0] for h in history], [h[0] for h in ref_history], rtol=rtol)
         assert_losses_close([h[1] for h in history], [h[1] for h in ref_history],
-                            "gradient norms")
+                            "gradient norms", rtol=rtol)
         if ref_history[0][2] is not None:
             assert_losses_close([h[2] for h in history], [h[2] for h in ref_history],
-                                "router load-balancing losses")
-        assert_losses_close([eval_loss], [ref_eval], "evaluation loss")
-    assert_same_weights([s for _, _, s, _ in out], ref_shards, lr=LR, steps=steps)
+                                "router load-balancing losses", rtol=rtol)
+        assert_losses_close([eval_loss], [ref_eval], "evaluation loss", rtol=rtol)
+    if recipe.get("precision", "fp32") == "fp32":
+        assert_same_weights([s for _, _, s, _ in out], ref_shards, lr=LR, steps=steps)
     return out
 
 

@@ -35,6 +35,33 @@ def test_translation_carries_stage_offload_buckets_accumulation_and_adamw():
     assert "scheduler" not in ds  # paraxis's WarmupCosine drives the rate
 
 
+def test_fp16_becomes_deepspeeds_dynamic_scaler_and_bf16_reduction_its_comm_dtype():
+    cfg = ParallelConfig.from_kwargs(data=2, zero=2, offload={"optimizer": "cpu"},
+                                     reduce_dtype="bf16")
+    train = TrainSection(precision="fp16", loss_scale={"initial": 2.0**12,
+                                                       "growth_interval": 50})
+    ds = deepspeed_config(cfg, train)
+    assert ds["fp16"] == {"enabled": True, "loss_scale": 0, "initial_scale_power": 12,
+                          "loss_scale_window": 50, "hysteresis": 1, "min_loss_scale": 1.0}
+    assert ds["bf16"] == {"enabled": False}
+    assert ds["communication_data_type"] == "bf16"
+    assert "communication_data_type" not in deepspeed_config(
+        ParallelConfig.from_kwargs(data=2, zero=2, offload={"optimizer": "cpu"}), train)
+
+
+def test_what_deepspeed_cannot_express_is_refused_before_any_rank(tmp_path):
+    from paraxis_deepspeed.translate import train_problems
+
+    assert train_problems(TrainSection(precision="fp16")) == []
+    said = " ".join(p.rule for p in train_problems(TrainSection(
+        optimizer="sgd", precision="fp16", loss_scale={"backoff_factor": 0.25})))
+    assert "AdamW" in said and "halves" in said
+    path = tmp_path / "run.yaml"  # the CLI reports them with the config's problems
+    path.write_text("parallelism: {data: 2, zero: 2, offload: {optimizer: cpu}}\n"
+                    "train: {global_batch: 8, optimizer: sgd}\n")
+    assert main(["validate", "--config", str(path)]) == 1
+
+
 def test_stage2_has_no_stage3_keys_and_nvme_carries_its_path():
     cfg = ParallelConfig.from_kwargs(data=2, zero=2, offload={"optimizer": "cpu"})
     zero = deepspeed_config(cfg, TrainSection(), hidden_size=32)["zero_optimization"]

@@ -58,6 +58,11 @@ def check_offload(config: ParallelConfig, problems: list[Problem]) -> None:
             "set sequence_parallel: false with offload"))
     if "nvme" in (off.optimizer, off.parameters):
         _check_nvme(off.nvme_path, problems)
+    train = getattr(config, "train", None)  # a whole run's config (the CLI) has one
+    if train is not None:
+        from paraxis_deepspeed.translate import train_problems
+
+        problems += train_problems(train)
 
 
 def _check_version(problems: list[Problem]) -> None:

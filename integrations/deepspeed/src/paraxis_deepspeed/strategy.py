@@ -86,10 +86,14 @@ class OffloadStrategy(Strategy):
                         train: Any) -> torch.optim.Optimizer | None:
         import deepspeed
 
+        from paraxis.config.errors import ConfigError
         from paraxis_deepspeed.memory import resident_bytes
         from paraxis_deepspeed.ops import build_ops, skip_inference_comm_op
-        from paraxis_deepspeed.translate import deepspeed_config
+        from paraxis_deepspeed.translate import deepspeed_config, train_problems
 
+        problems = train_problems(train)  # checked before any rank starts by the CLI too
+        if problems:
+            raise ConfigError(problems)
         module = self.model.module
         shape = _hidden_size(module)
         ds_config = deepspeed_config(ctx.config, train, hidden_size=shape,

@@ -1,9 +1,10 @@
 """A paraxis configuration, translated into a DeepSpeed configuration dict.
 
 The dict is generated, never written by the user: everything in it follows from the
-paraxis config (ZeRO stage, offload targets, microbatches), the ``train`` section
-(clipping, bf16, AdamW) and the model's hidden size. Bucket and prefetch sizes follow
-the "auto" rules of transformers' DeepSpeed integration
+paraxis config (ZeRO stage, offload targets, microbatches, reduction dtype), the
+``train`` section (clipping, precision and fp16's loss scaling, AdamW) and the model's
+hidden size; what DeepSpeed cannot express is refused (:func:`train_problems`). Bucket
+and prefetch sizes follow the "auto" rules of transformers' DeepSpeed integration
 (``transformers/integrations/deepspeed.py``, ``trainer_config_finalize``):
 
 * ``reduce_bucket_size = hidden²``
@@ -18,12 +19,15 @@ same curve. Nothing here imports DeepSpeed.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+from paraxis.config.errors import Problem
 from paraxis.config.parallel import Offload, ParallelConfig
 from paraxis.config.run import TrainSection
 
-__all__ = ["ADAM_EPS", "bucket_sizes", "deepspeed_config", "offload_section"]
+__all__ = ["ADAM_EPS", "bucket_sizes", "deepspeed_config", "offload_section",
+           "precision_sections", "train_problems"]
 
 ADAM_EPS = 1e-8  # torch.optim.AdamW's default, which core's AdamW uses
 QUIET = 2**31 - 1  # DeepSpeed prints every `steps_per_print` steps; paraxis reports itself
@@ -44,6 +48,41 @@ def offload_section(device: str, nvme_path: str | None, *, pin_memory: bool) -> 
     if device == "nvme":
         section["nvme_path"] = nvme_path
     return section
+
+
+def train_problems(train: TrainSection) -> list[Problem]:
+    """What of ``train`` DeepSpeed's engine cannot do as paraxis would: another optimizer
+    than AdamW (the bridge builds DeepSpeed's), and an fp16 loss-scale schedule other than
+    its dynamic scaler's (start at a power of two, double after a window of clean steps,
+    halve on overflow)."""
+    problems = []
+    if train.optimizer.lower() != "adamw":
+        problems.append(Problem("train.optimizer", train.optimizer,
+                                "the DeepSpeed bridge (offload) steps DeepSpeed's AdamW",
+                                "use train.optimizer: adamw with offload"))
+    scaling = train.loss_scale
+    power = math.log2(scaling.initial)
+    if train.precision == "fp16" and (scaling.growth_factor != 2.0 or
+                                      scaling.backoff_factor != 0.5 or power != int(power)):
+        problems.append(Problem(
+            "train.loss_scale", scaling.model_dump(), "DeepSpeed's dynamic loss scaler starts "
+            "at a power of two, doubles and halves", "keep growth_factor 2, backoff_factor "
+            "0.5 and a power-of-two initial scale with offload"))
+    return problems
+
+
+def precision_sections(train: TrainSection, reduce_dtype: str) -> dict[str, Any]:
+    """DeepSpeed's ``bf16``/``fp16`` sections and the gradient reduction dtype."""
+    scaling = train.loss_scale
+    out: dict[str, Any] = {"bf16": {"enabled": train.precision == "bf16"}}
+    if train.precision == "fp16":
+        out["fp16"] = {"enabled": True, "loss_scale": 0,  # 0: dynamic
+                       "initial_scale_power": int(math.log2(scaling.initial)),
+                       "loss_scale_window": scaling.growth_interval, "hysteresis": 1,
+                       "min_loss_scale": scaling.min_scale}
+    if reduce_dtype == "bf16":
+        out["communication_data_type"] = "bf16"
+    return out
 
 
 def _zero_section(offload: Offload, stage: int, hidden_size: int | None,
@@ -80,7 +119,7 @@ def deepspeed_config(config: ParallelConfig, train: TrainSection, *,
         "gradient_accumulation_steps": mbs,
         "train_batch_size": micro * mbs * replicas,
         "gradient_clipping": float(train.grad_clip),
-        "bf16": {"enabled": bool(train.bf16)},
+        **precision_sections(train, par.reduce_dtype),
         "optimizer": {"type": "AdamW", "params": {
             "lr": float(train.lr), "betas": [float(b) for b in train.betas],
             "eps": ADAM_EPS, "weight_decay": float(train.weight_decay)}},

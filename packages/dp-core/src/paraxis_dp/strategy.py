@@ -6,6 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from paraxis.parallel.strategy import ApplyContext, Phase, Strategy
+from paraxis.runtime.collectives import WIRE_DTYPES
 from paraxis_dp.sync import DataParallel
 
 __all__ = ["DataParallelStrategy"]
@@ -16,6 +17,8 @@ class DataParallelStrategy(Strategy):
     phase = Phase.DATA
 
     def apply(self, model: nn.Module, ctx: ApplyContext) -> nn.Module:
-        sync = DataParallel(model, grid=ctx.grid, bucket_mb=ctx.config.parallelism.bucket_mb)
+        par = ctx.config.parallelism
+        sync = DataParallel(model, grid=ctx.grid, bucket_mb=par.bucket_mb,
+                            wire_dtype=WIRE_DTYPES[par.reduce_dtype])
         ctx.grad_syncs.append(sync)
         return model

@@ -54,8 +54,9 @@ class DataParallel:
     order = SyncOrder.DATA
 
     def __init__(self, module: nn.Module, *, grid: Grid, bucket_mb: float = 25.0,
-                 broadcast: bool = True):
+                 broadcast: bool = True, wire_dtype: torch.dtype | None = None):
         self.module = module
+        self.wire_dtype = wire_dtype  # parallelism.reduce_dtype (None: the buffer's)
         self.grid = grid
         self.bucket_bytes = int(bucket_mb * MiB)
         self.divisor = grid.token_replicas
@@ -124,7 +125,8 @@ class DataParallel:
         # Pre-divide, as DDP does (for dense parameters the sum becomes the mean); fp32
         # keeps it exact enough. A group of one only rescales (expert=E alone).
         bucket.buffer.div_(bucket.divisor)
-        bucket.work = all_reduce_(bucket.buffer, bucket.group, async_op=True)
+        bucket.work = all_reduce_(bucket.buffer, bucket.group, async_op=True,
+                                  wire_dtype=self.wire_dtype)
         self._next += 1
 
     # ---- step ------------------------------------------------------------------------

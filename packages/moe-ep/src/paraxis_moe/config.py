@@ -20,8 +20,8 @@ from pydantic import ValidationError
 from paraxis.config.errors import Problem
 from paraxis.config.parallel import MoEConfig
 
-__all__ = ["TOP_K_KEYS", "MoEConfig", "aux_coef", "experts_per_token", "moe_config",
-           "moe_problems"]
+__all__ = ["TOP_K_KEYS", "MoEConfig", "aux_coef", "experts_per_token", "group_limit_problems",
+           "moe_config", "moe_problems"]
 
 # Where Hugging Face configs keep top-k: every family surveyed uses the first.
 TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "num_selected_experts", "top_k")
@@ -103,4 +103,31 @@ def moe_problems(config: Any, model: Any, problems: list[Problem]) -> list[Probl
         found.append(Problem("moe.capacity_factor", moe.capacity_factor,
                              "must be > 0 (or null: dropless)",
                              "use e.g. 1.25, or null to drop no token"))
+    return found
+
+
+def group_limit_problems(model_config: Any) -> list[Problem]:
+    """DeepSeek-V3's group-limited routing (``n_group``, ``topk_group``), checked before
+    any process group: its router views the scores as ``(tokens, n_group, E / n_group)``,
+    sums each group's two best scores and keeps the ``topk_group`` best groups with
+    ``torch.topk``, so a ``topk_group`` above ``n_group`` (or ``n_group`` not dividing
+    the experts) fails only inside the first forward, as a bare shape or range error."""
+    groups = getattr(model_config, "n_group", None)
+    keep = getattr(model_config, "topk_group", None)
+    if not isinstance(groups, int) or not isinstance(keep, int):
+        return []
+    experts = int(getattr(model_config, "n_routed_experts", None)
+                  or getattr(model_config, "num_local_experts", None) or 0)
+    found: list[Problem] = []
+    if groups < 1 or keep < 1 or keep > groups:
+        found.append(Problem("model.topk_group", keep,
+                             f"the router keeps topk_group of n_group={groups} expert groups "
+                             "per token, so it must be between 1 and n_group",
+                             f"set topk_group <= {max(groups, 1)}"))
+    elif experts and experts % groups:
+        found.append(Problem("model.n_group", groups,
+                             f"must divide the {experts} routed experts (the router views "
+                             "them as n_group equal groups)",
+                             f"choose n_group among "
+                             f"{[d for d in range(1, experts + 1) if experts % d == 0]}"))
     return found

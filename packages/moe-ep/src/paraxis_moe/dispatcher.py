@@ -114,7 +114,9 @@ class AllToAllDispatcher:
         if timer is not None:
             expert_out = timer.point(expert_out, "combine")
         start = time.perf_counter()
-        back = all_to_all_uneven(expert_out, self.group, d.recv, d.send)
+        # Expert outputs go back as computed: bf16 where autocast ran the experts, fp32
+        # where they ran outside it (grouped matmuls), as one process would keep them.
+        back = all_to_all_uneven(expert_out, self.group, d.recv, d.send, narrow=False)
         seconds = time.perf_counter() - start
         if timer is not None:
             back = timer.point(back, None)

@@ -18,7 +18,10 @@ applied on the sender after the combine (as Megatron-Core's dispatcher and trans
 post-expert norm are the model's code, and ``config._experts_implementation`` picks how
 (``grouped_mm``, transformers' default: one ``torch._grouped_mm`` per projection over
 the local expert set, which torch 2.13 runs on CPU for fp32/bf16 with 16-byte aligned
-rows; ``eager``: a loop over the local experts hit, never over tokens).
+rows; ``eager``: a loop over the local experts hit, never over tokens). Where torch has
+no grouped kernel for the dtype (fp64), the default runs as a padded batched matmul, and
+the loop replaces it where the grouped form was measured slower
+(:mod:`paraxis_moe.grouped`, ``benchmarks/moe_grouped.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from paraxis.runtime.grid import AxisGroup
 from paraxis_moe.capacity import grouped_keep_mask
 from paraxis_moe.config import MoEConfig
 from paraxis_moe.dispatcher import AllToAllDispatcher, Dispatched
+from paraxis_moe.grouped import local_kernel, padded_bmm_forward
 from paraxis_moe.stats import BackwardTimer, LayerStats
 
 __all__ = ["ExpertParallelExperts", "UnsupportedMoELayout", "check_experts", "shard_experts"]
@@ -110,7 +114,7 @@ class ExpertParallelExperts(nn.Module):
         moved["share"] = self._share(counts)
         x = timer.point(hidden_states, "compute") if timer is not None else hidden_states
         start = time.perf_counter()
-        y = super().forward(x, top_k_index, top_k_weights)
+        y = self._compute(x, top_k_index, top_k_weights)
         compute_s = time.perf_counter() - start
         if timer is not None:
             y = timer.point(y, None)
@@ -128,14 +132,27 @@ class ExpertParallelExperts(nn.Module):
         """The model's own experts forward on this rank's rows (local ids, unit weights)."""
         tokens = d.tokens
         ids = d.local_ids.unsqueeze(-1)
-        out = super().forward(tokens, ids, torch.ones(ids.shape, dtype=tokens.dtype,
-                                                      device=tokens.device))
+        out = self._compute(tokens, ids, torch.ones(ids.shape, dtype=tokens.dtype,
+                                                    device=tokens.device))
         if tokens.shape[0] == 0 and tokens.requires_grad:
             # Keep empty rows on the graph: backward's mirrored exchanges are collective,
             # so every rank must reach them, and the experts get zero (not no) gradients.
             params = sum(p.sum() for p in self.parameters(recurse=False))
             out = tokens * 0.0 + params * 0.0
         return out
+
+    def _compute(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The local experts' function, as :func:`paraxis_moe.grouped.local_kernel`
+        picks it: the model's own implementation, the grouped form where torch's kernel
+        is missing, or the model's own loop where the grouped form was not faster."""
+        kernel = local_kernel(self)
+        if kernel == "padded_bmm":
+            return padded_bmm_forward(self, hidden_states, top_k_index, top_k_weights)
+        forward = super().forward
+        if kernel == "eager":  # the class's own loop, under the dispatching wrapper
+            forward = getattr(forward, "__wrapped__", forward).__get__(self)
+        return forward(hidden_states, top_k_index, top_k_weights)
 
     def _share(self, local_rows: torch.Tensor) -> torch.Tensor:
         """(E,) fraction of this rank's expert rows computed by each expert (zero for

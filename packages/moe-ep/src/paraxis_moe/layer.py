@@ -27,6 +27,7 @@ from torch import nn
 
 from paraxis.parallel.aux_losses import AuxLosses
 from paraxis.runtime.grid import AxisGroup
+from paraxis_moe.balance import BiasBalancer, SequenceLosses, correction_bias, sigmoid_scored
 from paraxis_moe.config import MoEConfig, aux_coef, experts_per_token
 from paraxis_moe.experts import (
     ExpertParallelExperts,
@@ -172,12 +173,23 @@ class ExpertParallel:
             raise UnsupportedMoELayout(f"{where}: cannot find the router's top-k")
         self.top_k = int(top_k)
         self.stats = MoEStats(self.num_experts, self.names)
-        self.losses = RouterLosses(self.num_experts, self.top_k,
-                                   aux_coef=aux_coef(self.moe, cfg),
-                                   z_coef=self.moe.z_loss_coef, group=token_group)
+        self._hooks: list[Any] = []
+        biases = {name: bias for root, name, _, _ in parts
+                  if (bias := correction_bias(root.get_submodule(name))) is not None}
+        # DeepSeek-V3's sequence-wise loss for its sigmoid routers, Switch's otherwise.
+        sequence_wise = bool(biases) and all(sigmoid_scored(r) for _, n, r, _ in parts
+                                             if n in biases and r is not None)
+        loss_class = SequenceLosses if sequence_wise else RouterLosses
+        self.losses = loss_class(self.num_experts, self.top_k,
+                                 aux_coef=aux_coef(self.moe, cfg),
+                                 z_coef=self.moe.z_loss_coef, group=token_group)
+        if isinstance(self.losses, SequenceLosses):
+            self._hooks = [root.get_submodule(name).register_forward_pre_hook(
+                self.losses.note_block_input) for root, name, _, _ in parts if name in biases]
+        self.balancer = (BiasBalancer(biases, self.moe.bias_update_rate, pipeline=pipeline)
+                         if biases and self.moe.bias_update_rate > 0 else None)
         self.recording = True
         self.experts: dict[str, ExpertParallelExperts] = {}
-        self._hooks: list[Any] = []
         for root, name, router, experts in parts:
             layer = self.stats.layers[name]
             if experts is not None:
@@ -205,11 +217,13 @@ class ExpertParallel:
         """Hand each forward's router-loss carry to ``aux`` (core's
         :class:`paraxis.parallel.batch.AuxLosses`, whose carry slot this declares); record
         routing only between the start and end of a forward of a root module."""
-        slot = aux.declare_carry(self.num_experts + 1, self.losses.finalize)
+        slot = aux.declare_carry(self.losses.carry_size, self.losses.finalize)
 
         def start(module: nn.Module, args: Any) -> None:
-            # Training forwards only: evaluation (and the parity probe) is not counted.
-            self.set_recording(torch.is_grad_enabled())
+            # Training forwards only: evaluation is not counted, nor the parity probe and
+            # gradient checks (engine.fp32_backward: a backward in eval mode), whose
+            # routing would otherwise enter the next step's counts and bias update.
+            self.set_recording(torch.is_grad_enabled() and module.training)
 
         def end(module: nn.Module, args: Any, output: Any) -> None:
             self.set_recording(False)
@@ -229,6 +243,15 @@ class ExpertParallel:
         """This step's statistics, reduced over the token group and gathered over the
         pipeline (collective). The arrays stay in ``self.stats.last``."""
         return self.stats.metrics(self.token_group, self.pipeline)
+
+    def after_step(self) -> dict[str, float]:
+        """Core's post-step hook: the step's metrics (:meth:`step_metrics`), then, with
+        ``moe.bias_update_rate`` and correction biases, DeepSeek-V3's bias update from
+        the same globally reduced counts (:class:`paraxis_moe.balance.BiasBalancer`)."""
+        metrics = self.step_metrics()
+        if self.balancer is not None:
+            metrics.update(self.balancer.update(self.stats.last))
+        return metrics
 
     @property
     def last_step(self) -> dict[str, dict[str, torch.Tensor]]:

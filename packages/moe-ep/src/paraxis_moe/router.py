@@ -22,9 +22,10 @@ a resolver that turns those global numbers into this rank's part
 ``coef * E * sum_i f_i * P_i^local`` with ``P_i^local`` = this rank's probability sums /
 the global row count. The parts sum to the global loss, and each part's gradient is
 exactly this rank's share of the global loss's gradient (``f`` carries none). The
-z-loss splits the same way. Non-softmax routers (sigmoid gates, DeepSeek's bias) get
-transformers' loss as it computes it, from the softmax of the logits; DeepSeek's
-bias-update balancing (auxiliary-loss-free) is not done.
+z-loss splits the same way. Sigmoid routers with DeepSeek-V3's correction bias get
+DeepSeek-V3's sequence-wise loss instead (:class:`paraxis_moe.balance.SequenceLosses`,
+with its bias update); other non-softmax routers get transformers' loss as it computes
+it, from the softmax of the logits.
 """
 
 from __future__ import annotations
@@ -61,10 +62,17 @@ class RouterLosses:
         """Both are always reported (a loss whose coefficient is 0 reports 0)."""
         return [AUX_LOSS, Z_LOSS]
 
-    def record(self, logits: torch.Tensor) -> None:
+    @property
+    def carry_size(self) -> int:
+        """Numbers each forward carries: ``E`` assignment counts and the row count."""
+        return self.num_experts + 1
+
+    def record(self, logits: torch.Tensor, *, chosen: torch.Tensor | None = None,
+               seq_len: int | None = None) -> None:
         """Keep one layer's logits. A router with more classes than experts (ZAYA's skip
         class, LongCat-Flash's zero-compute experts) has no Switch loss transformers
-        defines: it is recorded only if both coefficients are 0 (then nothing is)."""
+        defines: it is recorded only if both coefficients are 0 (then nothing is).
+        ``chosen`` (the router's top-k) and ``seq_len`` serve losses that need them."""
         width = logits.shape[-1]
         if width != self.num_experts:
             if self.aux_coef or self.z_coef:
@@ -141,6 +149,12 @@ def watch_router(router: torch.nn.Module, *, stats: LayerStats | None,
         if stats is not None:
             stats.add_router(logits)
         if losses is not None:
-            losses.record(logits)
+            from paraxis_moe.balance import selected_experts
+
+            # (batch, sequence, hidden) in: its sequences are known (a flattened input
+            # leaves them to a loss that needs none).
+            x = args[0] if args and torch.is_tensor(args[0]) else None
+            losses.record(logits, chosen=selected_experts(output, losses.top_k),
+                          seq_len=x.shape[-2] if x is not None and x.dim() == 3 else None)
 
     return router.register_forward_hook(hook)

@@ -8,7 +8,8 @@ statistics are always logged. It uses core's contracts (docs/architecture.md sec
 * ``ctx.aux_losses``: declares ``moe/aux_loss`` and ``moe/z_loss`` and a carry slot of
   ``E + 1`` numbers (the router counts), through which the joint Switch loss keeps
   exact one-process parity across pipeline stages;
-* ``ctx.step_hooks``: the ``moe/...`` metrics after every optimizer step;
+* ``ctx.step_hooks``: the ``moe/...`` metrics after every optimizer step, and with
+  ``moe.bias_update_rate`` DeepSeek-V3's correction-bias update from the global load;
 * ``ctx.skip_verify``: with a capacity factor, drops depend on each rank's token group,
   which the one-process parity probe cannot reproduce;
 * ``Strategy.check_model``: an MoE layout it cannot shard is refused before any process
@@ -31,7 +32,8 @@ from paraxis.parallel.model_plan import ModelPlan
 from paraxis.parallel.stages import chunks_of
 from paraxis.parallel.strategy import ApplyContext, Phase, Strategy
 from paraxis.runtime.grid import DENSE_REPLICA_AXES
-from paraxis_moe.config import moe_config
+from paraxis_moe.balance import correction_bias, sigmoid_scored
+from paraxis_moe.config import aux_coef, group_limit_problems, moe_config
 from paraxis_moe.experts import UnsupportedMoELayout
 from paraxis_moe.layer import ExpertParallel, find_blocks
 
@@ -45,9 +47,13 @@ class ExpertParallelStrategy(Strategy):
     @classmethod
     def check_model(cls, model: nn.Module, config: Any, plan: object | None) -> list[Problem]:
         """Every MoE block the plan names must have fused experts paraxis can shard and a
-        router it can find, and its expert count must split over the expert degree. At
+        router it can find, and its expert count must split over the expert degree; a
+        group-limited router's ``topk_group``/``n_group`` must be routable. At
         degree 1 nothing is sharded: a block it cannot shard is kept whole (the model's
         own forward; its router watched where found)."""
+        routing = group_limit_problems(getattr(model, "config", None))
+        if routing:
+            return routing
         patterns = getattr(plan, "experts", ()) or ()
         degree = config.parallelism.expert
         try:
@@ -56,11 +62,12 @@ class ExpertParallelStrategy(Strategy):
             return [Problem("model", type(model).__name__, str(exc),
                             "use a transformers version whose MoE blocks hold fused "
                             "experts (5.x), or a model paraxis-moe-ep supports")]
-        return [Problem(f"model.{name}.experts.num_experts", experts.num_experts,
-                        f"must be divisible by the expert degree {degree}",
-                        "choose parallelism.expert dividing the expert count")
-                for name, _, experts in blocks
-                if experts is not None and experts.num_experts % degree][:1]
+        found = [Problem(f"model.{name}.experts.num_experts", experts.num_experts,
+                         f"must be divisible by the expert degree {degree}",
+                         "choose parallelism.expert dividing the expert count")
+                 for name, _, experts in blocks
+                 if experts is not None and experts.num_experts % degree][:1]
+        return found + _sequence_loss_problems(model, config, blocks)
 
     def apply(self, model: nn.Module, ctx: ApplyContext) -> nn.Module:
         plan = ctx.plan
@@ -75,10 +82,27 @@ class ExpertParallelStrategy(Strategy):
         for name in ep.losses.names:
             ctx.aux_losses.declare(name)
         ep.attach(ctx.aux_losses)
-        ctx.step_hooks.append(ep.step_metrics)
+        ctx.step_hooks.append(ep.after_step)
         if moe.capacity_factor is not None:
             ctx.skip_verify = (f"moe.capacity_factor={moe.capacity_factor}: each rank drops "
                                "pairs of its own token group, which one process on the "
                                "whole probe batch does not")
         ctx.extras["expert"] = ep
         return model
+
+
+def _sequence_loss_problems(model: nn.Module, config: Any,
+                            blocks: list[tuple[str, nn.Module | None, Any]]) -> list[Problem]:
+    """DeepSeek-V3's sequence-wise loss needs each sequence whole on one rank; context
+    parallelism splits it (its per-sequence counts would need a reduction it lacks)."""
+    context = config.parallelism.context
+    if context == 1 or not aux_coef(moe_config(config), getattr(model, "config", None)):
+        return []
+    name = next((n for n, router, _ in blocks if router is not None and sigmoid_scored(router)
+                 and correction_bias(model.get_submodule(n)) is not None), None)
+    if name is None:
+        return []
+    return [Problem("parallelism.context", context,
+                    f"{name} is a sigmoid router with a correction bias, trained with "
+                    "DeepSeek-V3's sequence-wise balance loss, which needs each sequence "
+                    "whole on one rank", "set context: 1, or moe.aux_loss_coef: 0")]

@@ -88,6 +88,7 @@ class PipelineRunner:
             self.device = device_for_rank()
         # (action, start, end) in the machine's monotonic clock, shared by local ranks.
         self.timeline: list[tuple[Action, float, float]] = []
+        self._wire = torch.float32  # this step's dtype of hidden states on the wire
 
     # ---- messaging ---------------------------------------------------------------
 
@@ -95,8 +96,9 @@ class PipelineRunner:
         return self.group.ranks[self.schedule.place(stage)[0]]
 
     def _send(self, t: torch.Tensor, stage: int, kind: str, mb: int, src_stage: int) -> Any:
-        # The wire is fp32 whatever autocast made; carries stay float64.
-        t = (t if kind.startswith("C") else t.to(torch.float32)).contiguous()
+        # Hidden states and their gradients travel in the step's wire dtype; carries
+        # stay float64.
+        t = (t if kind.startswith("C") else t.to(self._wire)).contiguous()
         op = dist.P2POp(dist.isend, t, self._peer(stage), self.group.pg,
                         _tag(kind, mb, src_stage))
         self.group.stats.add(self.group.axes, "send", t.numel() * t.element_size())
@@ -104,14 +106,14 @@ class PipelineRunner:
 
     def _recv(self, shape: tuple[int, ...], stage: int, kind: str, mb: int,
               src_stage: int) -> torch.Tensor:
-        dtype = torch.float64 if kind.startswith("C") else torch.float32
+        dtype = torch.float64 if kind.startswith("C") else self._wire
         buf = torch.empty(shape, device=self.device, dtype=dtype)
         op = dist.P2POp(dist.irecv, buf, self._peer(stage), self.group.pg,
                         _tag(kind, mb, src_stage))
         with guard(self.group, "recv"):  # a dead neighbour is named, not waited for
             for work in dist.batch_isend_irecv([op]):
                 work.wait()  # mostly waiting for the other stage's compute: the bubble
-        return buf
+        return buf if dtype in (torch.float32, torch.float64) else buf.float()
 
     def _hidden_shape(self, mb: Batch) -> tuple[int, int, int]:
         b, s = mb.input_ids.shape
@@ -132,6 +134,11 @@ class PipelineRunner:
                    carrying=train and self.ctx.aux_losses.carry_size > 0,
                    total=torch.zeros((), dtype=torch.float64, device=self.device))
         self.timeline = []
+        # Under bf16/fp16 hidden states and their gradients cross stages in that dtype
+        # (half the bytes; one rounding more, as the residual stream is fp32).
+        with self.ctx.forward_context():
+            on = torch.is_autocast_enabled(self.device.type)
+            self._wire = torch.get_autocast_dtype(self.device.type) if on else torch.float32
         with torch.set_grad_enabled(train):
             for a in actions:
                 if a.kind == "F":
@@ -157,7 +164,8 @@ class PipelineRunner:
         if stage > 0 and st.train:
             x.requires_grad_(True)
         start = time.perf_counter()
-        out = self.chunks[a.chunk](x, **mb.model_kwargs(), **self.forward_kwargs)
+        with self.ctx.forward_context():
+            out = self.chunks[a.chunk](x, **mb.model_kwargs(), **self.forward_kwargs)
         aux = self._forward_aux(key, stage, st)
         if stage == s.stages - 1:
             loss_sum, _ = st.loss_fn(out, mb.targets)

@@ -112,14 +112,15 @@ def _travelling(kv: torch.Tensor, docs: torch.Tensor | None) -> list[torch.Tenso
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor | None,
-             group: Any, spec: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+             group: Any, spec: tuple, wire: torch.dtype | None,
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     causal, scale, window, layout = spec
     n, rank, cd = group.size, group.rank, compute_dtype(q.dtype)
     b, s, h, _ = q.shape
     qc = q.to(cd)
     out = torch.zeros((b, s, h, v.shape[-1]), dtype=cd, device=q.device)
     lse = torch.full((b, h, s), float("-inf"), dtype=cd, device=q.device)
-    ring, held = _Ring(group), _travelling(_pack(k, v), docs)
+    ring, held = _Ring(group), _travelling(_pack(k, v, wire), docs)
     for step in range(n):
         # Post the next block's transfer first: it flies while this block computes.
         handle = (ring.start(held, [torch.empty_like(t) for t in held])
@@ -160,13 +161,13 @@ def _block_grads(blk: Block | None, held: list[torch.Tensor], k: torch.Tensor,
 
 def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               out: torch.Tensor, lse: torch.Tensor, docs: torch.Tensor | None, group: Any,
-              spec: tuple) -> tuple[torch.Tensor, ...]:
+              spec: tuple, wire: torch.dtype | None) -> tuple[torch.Tensor, ...]:
     causal, scale, window, layout = spec
     n, rank, cd = group.size, group.rank, compute_dtype(q.dtype)
     qc, do = q.to(cd), dout.to(cd)
     delta = (do * out).sum(-1).transpose(1, 2)  # rowsum(dO ∘ O), (b, h, s)
     saved, dq = (qc, do, out, lse, delta), torch.zeros_like(qc)
-    ring, held = _Ring(group), _travelling(_pack(k, v), docs)
+    ring, held = _Ring(group), _travelling(_pack(k, v, wire), docs)
     grad_size = k.numel() + v.numel()
     own, sends = None, []
     for step in range(n):
@@ -200,15 +201,19 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 docs: torch.Tensor | None, group: Any, spec: tuple) -> torch.Tensor:
-        out, lse = _forward(q, k, v, docs, group, spec)
+        # K/V travel in the autocast dtype under bf16/fp16, both ways (the forward's
+        # block matmuls would cast them to it; the backward must see the same values).
+        kind = q.device.type
+        wire = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+        out, lse = _forward(q, k, v, docs, group, spec, wire)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.docs, ctx.group, ctx.spec = docs, group, spec
+        ctx.docs, ctx.group, ctx.spec, ctx.wire = docs, group, spec, wire
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        grads = _backward(dout, q, k, v, out, lse, ctx.docs, ctx.group, ctx.spec)
+        grads = _backward(dout, q, k, v, out, lse, ctx.docs, ctx.group, ctx.spec, ctx.wire)
         return (*grads, None, None, None)
 
 

@@ -1,4 +1,4 @@
-"""The optimizer of a ZeRO rank: AdamW over what this rank owns.
+"""The optimizer of a ZeRO rank: ``train.optimizer`` over what this rank owns.
 
 ZeRO (Rajbhandari et al., arXiv:1910.02054, section 5) has each data-parallel rank keep
 and update only its partition of the optimizer state. The parameters given here are
@@ -17,10 +17,12 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from paraxis.config.run import TrainSection
 from paraxis.parallel.norms import clip_grad_norm
+from paraxis.parallel.optimizers import make_optimizer, optimizer_class
 from paraxis.runtime.grid import Grid
 
-__all__ = ["ShardOwner", "ZeroAdamW"]
+__all__ = ["ShardOwner", "zero_optimizer"]
 
 
 class ShardOwner(Protocol):
@@ -32,30 +34,38 @@ class ShardOwner(Protocol):
     def zero_grad(self) -> None: ...
 
 
-class ZeroAdamW(torch.optim.AdamW):
-    """AdamW over this rank's shards; matrices decay, vectors do not (as core's AdamW)."""
+class _StepsShards:
+    """Mixed in before the optimizer class: after each step the owner brings the updated
+    shards back into the model; ``zero_grad`` clears the owner's buffers too; clipping
+    counts every element of the shards once across the grid."""
 
-    def __init__(self, params: list[nn.Parameter], *, grid: Grid, owner: ShardOwner,
-                 lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.95)):
-        decay = [p for p in params if p.ndim >= 2]
-        no_decay = [p for p in params if p.ndim < 2]
-        groups = [{"params": decay, "weight_decay": weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        super().__init__([g for g in groups if g["params"]], lr=lr, betas=betas)
-        self.grid, self.owner = grid, owner
-        self.owned = params
+    grid: Grid
+    owner: ShardOwner
+    owned: list[nn.Parameter]
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        loss = super().step(closure)
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = super().step(closure)  # type: ignore[misc]
         self.owner.after_step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
+        super().zero_grad(set_to_none)  # type: ignore[misc]
         self.owner.zero_grad()
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Clip the shards' gradients to a global norm of ``max_norm`` (every element
         counted once across the grid, from placements); returns the norm before."""
         return clip_grad_norm(self.owned, max_norm, self.grid)
+
+
+def zero_optimizer(params: list[nn.Parameter], train: TrainSection, *, grid: Grid,
+                   owner: ShardOwner) -> torch.optim.Optimizer:
+    """``train.optimizer`` over this rank's shards (an elementwise one: core refuses the
+    others under ZeRO before any process group), as ``Zero<Class>``; matrices decay,
+    vectors do not, as core's optimizer."""
+    base = optimizer_class(train.optimizer)
+    cls = type(f"Zero{base.__name__}", (_StepsShards, base), {})
+    optimizer = make_optimizer(params, train, cls)
+    optimizer.grid, optimizer.owner, optimizer.owned = grid, owner, params
+    return optimizer

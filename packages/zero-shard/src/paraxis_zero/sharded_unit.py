@@ -64,8 +64,8 @@ class ShardedUnit:
     in place at construction."""
 
     def __init__(self, name: str, module: nn.Module, layouts: list[ShardLayout], *,
-                 reshard_after_forward: bool = True):
-        self.name, self.module = name, module
+                 reshard_after_forward: bool = True, wire_dtype: torch.dtype | None = None):
+        self.name, self.module, self.wire_dtype = name, module, wire_dtype
         self.reshard_after_forward = reshard_after_forward
         self.flats = [self._shard(layout) for layout in layouts]
         self.params = [p for f in self.flats for p in f.layout.params]
@@ -160,7 +160,8 @@ class ShardedUnit:
     def launch_reduce(self) -> None:
         for f in self.flats:
             assert f.send is not None
-            work = reduce_scatter_into(f.grad, f.send, f.layout.group, async_op=True)
+            work = reduce_scatter_into(f.grad, f.send, f.layout.group, async_op=True,
+                                       wire_dtype=self.wire_dtype)
             assert work is not None
             self.reducing.append(work)
         self.prepared = False

@@ -20,7 +20,8 @@ follows the step (the paper's volume for stages 1 and 2).
 
 Under ``no_sync`` (non-final microbatches) gradients accumulate whole, locally, as DDP
 and FSDP2 do. After the optimizer step the updated shards are all-gathered into the
-model (:meth:`after_step`, called by :class:`~paraxis_zero.optimizer.ZeroAdamW`).
+model (:meth:`after_step`, called by the optimizer
+:func:`~paraxis_zero.optimizer.zero_optimizer` builds).
 """
 
 from __future__ import annotations
@@ -70,14 +71,15 @@ class ShardedOptimizerSync:
     order = SyncOrder.DATA
 
     def __init__(self, module: nn.Module, *, grid: Grid, stage: int, bucket_bytes: int,
-                 whole_below: int = WHOLE_BELOW):
+                 whole_below: int = WHOLE_BELOW, wire_dtype: torch.dtype | None = None):
         if stage not in (1, 2):
             raise ValueError(f"ShardedOptimizerSync does ZeRO stages 1 and 2, not {stage}")
         self.grid, self.stage, self._sync = grid, stage, True
         params = [p for p in module.parameters() if p.requires_grad]
         whole = [p for p in params if keep_whole(p, grid, whole_below)]
         sharded = [p for p in params if not keep_whole(p, grid, whole_below)]
-        self.whole = WholeReducer(whole, grid, bucket_bytes)
+        self.wire_dtype = wire_dtype  # parallelism.reduce_dtype
+        self.whole = WholeReducer(whole, grid, bucket_bytes, wire_dtype)
         self.whole_params = whole
         self.buckets = [self._bucket(ShardLayout.build(g, ps, grid.token_replicas))
                         for g, ps in assign_buckets(sharded, grid, bucket_bytes)]
@@ -159,7 +161,8 @@ class ShardedOptimizerSync:
                 layout.slot(bucket.send, i).copy_(g.view(n, -1))
         assert bucket.send is not None
         bucket.send.div_(layout.divisor)  # pre-divided (Grid.token_replicas)
-        bucket.work = reduce_scatter_into(bucket.recv, bucket.send, layout.group, async_op=True)
+        bucket.work = reduce_scatter_into(bucket.recv, bucket.send, layout.group, async_op=True,
+                                          wire_dtype=self.wire_dtype)
         self._next += 1
 
     def finish(self) -> float:

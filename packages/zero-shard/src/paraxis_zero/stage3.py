@@ -60,11 +60,12 @@ class ShardedParameters:
     order = SyncOrder.DATA
 
     def __init__(self, model: nn.Module, *, grid: Grid, plan: ModelPlan | None,
-                 bucket_bytes: int, whole_below: int = WHOLE_BELOW, prefetch: bool = True):
+                 bucket_bytes: int, whole_below: int = WHOLE_BELOW, prefetch: bool = True,
+                 wire_dtype: torch.dtype | None = None):
         self.grid, self.prefetch, self._sync = grid, prefetch, True
         params = [p for p in model.parameters() if p.requires_grad]
         self.whole_params = [p for p in params if keep_whole(p, grid, whole_below)]
-        self.whole = WholeReducer(self.whole_params, grid, bucket_bytes)
+        self.whole = WholeReducer(self.whole_params, grid, bucket_bytes, wire_dtype)
         sharded = [p for p in params if not keep_whole(p, grid, whole_below)]
         self.units: list[ShardedUnit] = []  # forward order; the roots first
         self.roots: dict[int, ShardedUnit | None] = {}
@@ -74,10 +75,11 @@ class ShardedParameters:
             mine = [p for p in chunk.parameters() if id(p) in left]
             left -= {id(p) for p in mine}
             specs, rest = find_units(chunk, plan, mine)
-            root = ShardedUnit("root", chunk, _layouts(rest, grid),
+            root = ShardedUnit("root", chunk, _layouts(rest, grid), wire_dtype=wire_dtype,
                                reshard_after_forward=False) if rest else None
             self.roots[id(chunk)] = root
-            units = [ShardedUnit(s.name, s.module, _layouts(s.params, grid)) for s in specs]
+            units = [ShardedUnit(s.name, s.module, _layouts(s.params, grid),
+                                 wire_dtype=wire_dtype) for s in specs]
             self._hook_root(chunk, root, units[0] if units else None)
             for unit in units:
                 self._hook(unit)

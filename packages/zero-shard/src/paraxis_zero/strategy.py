@@ -7,7 +7,8 @@ pipeline, the stage's own parameters. It broadcasts parameters and buffers from 
 replica group's first rank (as DDP does), then shards: stages 1 and 2 through
 :class:`~paraxis_zero.stage12.ShardedOptimizerSync`, stage 3 through
 :class:`~paraxis_zero.stage3.ShardedParameters`. Its optimizer
-(:class:`~paraxis_zero.optimizer.ZeroAdamW`) steps this rank's shards.
+(:func:`~paraxis_zero.optimizer.zero_optimizer`: ``train.optimizer`` over the shards)
+steps this rank's shards.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from paraxis.parallel.buckets import MiB
 from paraxis.parallel.model_plan import ModelPlan
 from paraxis.parallel.placement import placement_of
 from paraxis.parallel.strategy import ApplyContext, Phase, Strategy
+from paraxis.runtime.collectives import WIRE_DTYPES
 from paraxis.runtime.grid import DENSE_REPLICA_AXES, Grid
-from paraxis_zero.optimizer import ZeroAdamW
+from paraxis_zero.optimizer import zero_optimizer
 from paraxis_zero.stage3 import ShardedParameters
 from paraxis_zero.stage12 import ShardedOptimizerSync
 
@@ -52,20 +54,20 @@ class ZeroStrategy(Strategy):
         par = ctx.config.parallelism
         broadcast_from_first_replica(model, ctx.grid)
         bucket_bytes = int(par.bucket_mb * MiB)
+        wire = WIRE_DTYPES[par.reduce_dtype]
         self.sync: ShardedOptimizerSync | ShardedParameters
         if par.zero == 3:
             plan = ctx.plan if isinstance(ctx.plan, ModelPlan) else None
             self.sync = ShardedParameters(model, grid=ctx.grid, plan=plan,
-                                          bucket_bytes=bucket_bytes)
+                                          bucket_bytes=bucket_bytes, wire_dtype=wire)
         else:
             self.sync = ShardedOptimizerSync(model, grid=ctx.grid, stage=par.zero,
-                                             bucket_bytes=bucket_bytes)
+                                             bucket_bytes=bucket_bytes, wire_dtype=wire)
         ctx.grad_syncs.append(self.sync)
         ctx.extras["zero"] = self.sync
         return model
 
     def build_optimizer(self, model: nn.Module, ctx: ApplyContext,
                         train: Any) -> torch.optim.Optimizer:
-        return ZeroAdamW(self.sync.optimizer_params(), grid=ctx.grid, owner=self.sync,
-                         lr=train.lr, weight_decay=train.weight_decay,
-                         betas=tuple(train.betas))
+        return zero_optimizer(self.sync.optimizer_params(), train, grid=ctx.grid,
+                              owner=self.sync)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
+import torch
 from torch import nn
 
 from paraxis.parallel.buckets import FlatBucket, adopt_grad, assign_buckets
@@ -47,7 +48,9 @@ class WholeReducer:
     """Average the gradients of whole parameters over their sync groups: flat buckets,
     all-reduce launched from post-accumulate-grad hooks in a fixed bucket order."""
 
-    def __init__(self, params: Iterable[nn.Parameter], grid: Grid, bucket_bytes: int):
+    def __init__(self, params: Iterable[nn.Parameter], grid: Grid, bucket_bytes: int,
+                 wire_dtype: torch.dtype | None = None):
+        self.wire_dtype = wire_dtype  # parallelism.reduce_dtype
         self.params = [p for p in params if p.requires_grad]
         divisor = grid.token_replicas
         self.buckets = [FlatBucket.allocate(g, ps, divisor) for g, ps in
@@ -69,7 +72,8 @@ class WholeReducer:
 
     def _launch(self, bucket: FlatBucket) -> None:
         bucket.buffer.div_(bucket.divisor)  # see Grid.token_replicas
-        bucket.work = all_reduce_(bucket.buffer, bucket.group, async_op=True)
+        bucket.work = all_reduce_(bucket.buffer, bucket.group, async_op=True,
+                                  wire_dtype=self.wire_dtype)
         self._next += 1
 
     def finish(self) -> float:

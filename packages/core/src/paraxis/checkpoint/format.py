@@ -24,6 +24,7 @@ import torch
 
 from paraxis.checkpoint.files import FORMAT_VERSION, CheckpointError
 from paraxis.checkpoint.state import TrainState
+from paraxis.parallel.optimizers import optimizer_params
 from paraxis.parallel.placement import Placement
 from paraxis.version import __version__
 
@@ -46,15 +47,6 @@ def pieces(t: torch.Tensor, p: Placement) -> list[Piece]:
 def is_owner(p: Placement, coords: dict[str, int]) -> bool:
     """Whether this rank writes the shard: coordinate 0 on every replicated axis."""
     return not p.mirror and all(coords[a] == 0 for a in p.replicated)
-
-
-def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The optimizer's parameters, each once, in group order."""
-    seen: dict[int, torch.Tensor] = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            seen.setdefault(id(p), p)
-    return list(seen.values())
 
 
 def rng_states(state: TrainState) -> dict[str, torch.Tensor]:
@@ -105,11 +97,16 @@ def build_index(state: TrainState, gathered: list[Any]) -> dict[str, Any]:
         "step": state.step,
         "data": state.data_state,
         "scheduler": state.scheduler.state_dict() if state.scheduler else None,
+        "loss_scaler": _state_of(getattr(state, "loss_scaler", None)),
         "optimizer": {"param_groups": opt_groups},
         "python_rng": [list(map(_jsonable, rng)) for _, _, rng, _ in gathered],
         "files": {filename: digest for filename, _, _, digest in gathered},
         "tensors": tensors,
     }
+
+
+def _state_of(obj: Any) -> Any:
+    return obj.state_dict() if obj is not None else None
 
 
 def _jsonable(x: Any) -> Any:

@@ -115,6 +115,9 @@ def load_checkpoint(state: TrainState, directory: str | os.PathLike[str], *,
         group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
     if state.scheduler is not None and index["scheduler"] is not None:
         state.scheduler.load_state_dict(index["scheduler"])
+    scaler = getattr(state, "loss_scaler", None)  # fp16's loss scale, when both have one
+    if scaler is not None and index.get("loss_scaler") is not None:
+        scaler.load_state_dict(index["loss_scaler"])
     if index["grid"]["degrees"] == state.grid.layout.degrees:
         _load_rng(state, reader)  # RNG streams belong to ranks; elsewhere they mean nothing
     barrier(state.grid.world)

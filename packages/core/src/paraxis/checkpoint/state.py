@@ -43,6 +43,9 @@ class TrainState(Protocol):
         """``state_dict()`` / ``load_state_dict()``, or None."""
         ...
 
+    # Optionally ``loss_scaler`` (``state_dict()`` / ``load_state_dict()``): fp16's
+    # dynamic loss scale (:class:`paraxis.engine.precision.LossScaler`).
+
     @property
     def grid(self) -> Grid: ...
 

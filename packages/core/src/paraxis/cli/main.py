@@ -15,7 +15,9 @@ from paraxis.config.rules import validate
 from paraxis.config.run import RunConfig
 from paraxis.config.shape import ModelShape
 from paraxis.engine.plugins import make_plugin_manager
+from paraxis.engine.precision import precision_problems
 from paraxis.engine.resolve import missing_axes, resolve_strategies
+from paraxis.parallel.optimizers import optimizer_problems
 from paraxis.planner.cli import add_plan_parser
 from paraxis.train.data import check_data
 from paraxis.train.launcher import add_launch_arguments
@@ -37,7 +39,9 @@ def _load_checked(args: argparse.Namespace) -> RunConfig:
     pm = make_plugin_manager()
     missing = missing_axes(config, pm, has_experts=bool(model and model.num_experts))
     validate(config, world_size=getattr(args, "world_size", None), model=model,
-             plugin_manager=pm, extra=[*config.check_run(), *missing, *check_data(config)])
+             plugin_manager=pm, extra=[*config.check_run(), *missing, *check_data(config),
+                                       *optimizer_problems(config.train, config),
+                                       *precision_problems(config.train)])
     return config
 
 

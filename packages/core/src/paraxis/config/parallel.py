@@ -83,6 +83,10 @@ class Parallelism(_Section):
     # How the context axis splits attention: ring (K/V circulate) or Ulysses (heads).
     context_mode: Literal["ring", "ulysses"] = "ring"
     bucket_mb: float = Field(default=25.0, gt=0)
+    # The dtype gradients travel in on the data and ZeRO reductions: fp32 (gradients
+    # are fp32 under every precision, see train.precision), or bf16 to halve the bytes
+    # (each rank's gradient rounded to bf16 before the sum, the sum rounded once more).
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     offload: Offload = Offload()
 
 
@@ -105,6 +109,9 @@ class MoEConfig(_Section):
     otherwise each expert keeps at most ``max(min_capacity, ceil(factor x tokens x top_k
     / experts))`` of a rank's assignments, chosen by ``drop_policy``, before the
     exchange. ``aux_loss_coef`` None takes the model's ``router_aux_loss_coef``.
+    ``bias_update_rate`` > 0 turns on DeepSeek-V3's auxiliary-loss-free balancing for
+    routers holding an ``e_score_correction_bias`` (its paper used 0.001); 0 leaves
+    the bias as loaded.
     """
 
     capacity_factor: float | None = Field(default=None, gt=0)
@@ -112,6 +119,7 @@ class MoEConfig(_Section):
     min_capacity: NonNegativeInt = 4
     aux_loss_coef: float | None = Field(default=None, ge=0)
     z_loss_coef: float = Field(default=0.0, ge=0)
+    bias_update_rate: float = Field(default=0.0, ge=0)
 
 
 class CheckpointConfig(_Section):

@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt, model_validator
 
 from paraxis.config.errors import ConfigError, Problem
 from paraxis.config.parallel import ParallelConfig, _Section, expand_env
 
-__all__ = ["DataSection", "EvalData", "LoggingSection", "ModelSection", "RunConfig",
-           "TrainSection"]
+__all__ = ["DataSection", "EvalData", "LoggingSection", "LossScaling", "ModelSection",
+           "RunConfig", "TrainSection"]
 
 
 class ModelSection(_Section):
@@ -33,6 +33,21 @@ class ModelSection(_Section):
     pretrained: str | None = None
 
 
+class LossScaling(_Section):
+    """Dynamic loss scaling for ``train.precision: fp16`` (Micikevicius et al., "Mixed
+    Precision Training", arXiv:1710.03740): the loss is multiplied by ``initial`` before
+    backward; a step whose gradients hold an inf or nan on any rank is skipped on every
+    rank and the scale multiplied by ``backoff_factor``; after ``growth_interval`` clean
+    steps in a row it is multiplied by ``growth_factor``; it never falls below
+    ``min_scale``."""
+
+    initial: float = Field(default=2.0**16, gt=0)
+    growth_factor: float = Field(default=2.0, gt=1)
+    backoff_factor: float = Field(default=0.5, gt=0, lt=1)
+    growth_interval: PositiveInt = 1000
+    min_scale: float = Field(default=1.0, gt=0)
+
+
 class TrainSection(_Section):
     steps: PositiveInt = 200
     global_batch: PositiveInt = 16  # sequences per optimizer step, all replicas together
@@ -43,7 +58,23 @@ class TrainSection(_Section):
     weight_decay: NonNegativeFloat = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: NonNegativeFloat = 1.0  # 0 disables clipping
+    # fp32; bf16 or fp16: the forward's matmuls in that dtype (torch.autocast) over
+    # fp32 parameters, which are the master weights, and fp32 gradients, which are the
+    # main gradients (torchtitan's FSDP2 policy: param_dtype bf16, reduce_dtype fp32).
+    # fp16 adds dynamic loss scaling (loss_scale). bf16: true is the older spelling of
+    # precision: bf16.
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     bf16: bool = False
+    loss_scale: LossScaling = LossScaling()
+    # adamw, sgd (momentum 0.9 unless optimizer_kwargs says otherwise), or a
+    # torch.optim.Optimizer class by import path ("torch.optim.RAdam", "pkg.mod:Cls");
+    # optimizer_kwargs go to its constructor (lr, weight_decay and, where the class
+    # takes them, betas come from this section).
+    optimizer: str = "adamw"
+    optimizer_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # torch.compile each transformer layer after the axes apply (engine/compile.py):
+    # true is TorchInductor; a backend name (aot_eager) is passed through.
+    compile: bool | Literal["inductor", "aot_eager", "eager"] = False
     seed: int = 0
     log_every: PositiveInt = 10
     checkpoint_every: NonNegativeInt = 0  # 0: only at the end
@@ -58,6 +89,15 @@ class TrainSection(_Section):
     # batches of data.eval (0: no evaluation).
     eval_every: NonNegativeInt = 0
     eval_batches: PositiveInt = 4
+
+    @model_validator(mode="after")
+    def _bf16_spelling(self) -> TrainSection:
+        if self.bf16 and self.precision == "fp16":
+            raise ValueError("train.bf16 is true and train.precision is fp16: keep one "
+                             "(bf16: true is the older spelling of precision: bf16)")
+        if self.bf16 and self.precision == "fp32":
+            object.__setattr__(self, "precision", "bf16")
+        return self
 
 
 class EvalData(_Section):

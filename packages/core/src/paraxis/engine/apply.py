@@ -20,13 +20,16 @@ from paraxis.config.parallel import ParallelConfig
 from paraxis.config.rules import validate
 from paraxis.config.run import TrainSection
 from paraxis.config.shape import ModelShape
+from paraxis.engine.compile import backend_of, compile_layers, graph_breaks
 from paraxis.engine.engine import Engine
 from paraxis.engine.masks import MaskSupport, measure_masks
-from paraxis.engine.optim import WarmupCosine, build_adamw
+from paraxis.engine.optim import WarmupCosine
 from paraxis.engine.plugins import make_plugin_manager
+from paraxis.engine.precision import precision_problems
 from paraxis.engine.probe import Probe
 from paraxis.engine.resolve import installed_strategies, resolve_strategies
 from paraxis.parallel.model_plan import PLANNED_AXES, ModelPlan, find_plan
+from paraxis.parallel.optimizers import make_optimizer, optimizer_problems
 from paraxis.parallel.placement import record_replicated
 from paraxis.parallel.strategy import MATERIALIZE_ATTR, ApplyContext, Phase, Strategy, deferred
 from paraxis.runtime.grid import Grid
@@ -42,18 +45,19 @@ __all__ = ["apply_parallelism", "apply_strategies", "build_optimizer", "find_twi
 def build_optimizer(model: nn.Module, ctx: ApplyContext,
                     train: TrainSection) -> torch.optim.Optimizer:
     """The first applied strategy's optimizer, asked in reverse phase order (a data
-    strategy that shards state answers first), else core's AdamW."""
+    strategy that shards state answers first), else ``train.optimizer`` over the model's
+    parameters (:mod:`paraxis.parallel.optimizers`)."""
     for strategy in reversed(ctx.strategies):
         optimizer = strategy.build_optimizer(model, ctx, train)
         if optimizer is not None:
             return optimizer
-    return build_adamw(model, lr=train.lr, weight_decay=train.weight_decay, betas=train.betas)
+    return make_optimizer(model.parameters(), train)
 
 
 def preflight(model: nn.Module, config: ParallelConfig, *, train: TrainSection,
               plan: ModelPlan | None = None, model_shape: ModelShape | None = None,
               plugin_manager: Any = None, world_size: int | None = None,
-              ) -> tuple[ModelShape | None, ModelPlan]:
+              optimizer: Any = None) -> tuple[ModelShape | None, ModelPlan]:
     """What :func:`parallelize` checks before any process group exists: the config
     against the world size (``world_size``, else the launched one) and the model's shape,
     every axis resolved to an installed package, the plan found and required for each
@@ -71,6 +75,9 @@ def preflight(model: nn.Module, config: ParallelConfig, *, train: TrainSection,
     module_problems = [p for cls in installed_strategies(config, pm, has_experts=experts)
                        for p in cls.check_model(model, config, model_plan)]
     module_problems += model_plan.refusals(config)
+    if optimizer is None:  # one given is the caller's; train.optimizer is ours to check
+        module_problems += optimizer_problems(train, config)
+    module_problems += precision_problems(train, optimizer)
     try:
         validate(config, world_size=world_size or launched_world_size(), model=model_shape,
                  plugin_manager=pm, extra=module_problems)
@@ -123,7 +130,8 @@ def parallelize(
                                             microbatches=microbatches, **options)
     train_cfg = train if isinstance(train, TrainSection) else TrainSection(**(train or {}))
     model_shape, model_plan = preflight(model, config, train=train_cfg, plan=plan,
-                                        model_shape=model_shape, plugin_manager=pm)
+                                        model_shape=model_shape, plugin_manager=pm,
+                                        optimizer=optimizer)
 
     lazy = deferred(model)  # on the meta device until each rank reads its slices
     # No whole model: its twin's probe (and masks) stand for it; none is refused here.
@@ -149,6 +157,11 @@ def parallelize(
                              shape=model_shape)
     model, ctx = apply_parallelism(model, grid=grid, config=config, plugin_manager=pm,
                                    plan=model_plan)
+    backend = backend_of(train_cfg.compile)
+    if backend is not None:  # before the probe, which then checks the compiled layers
+        layers = compile_layers(model, model_plan, backend)
+        ctx.extras["compile"] = f"{backend}, {layers} layers"
+        ctx.step_hooks.append(graph_breaks())
     if optimizer is None:
         optimizer = build_optimizer(model, ctx, train_cfg)
     scheduler = WarmupCosine(optimizer, warmup=train_cfg.warmup_steps, total=train_cfg.steps,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -36,10 +37,10 @@ from paraxis.config.shape import ModelShape
 from paraxis.engine.loss import causal_lm_loss_sum
 from paraxis.engine.masks import MaskSupport
 from paraxis.engine.metrics import Tracer, memory_stats, model_flops_per_token, step_metrics
-from paraxis.engine.optim import WarmupCosine
+from paraxis.engine.optim import WarmupCosine, clip_and_step
+from paraxis.engine.precision import LossScaler, autocast
 from paraxis.parallel.batch import Batch
 from paraxis.parallel.model_plan import ModelPlan
-from paraxis.parallel.norms import clip_grad_norm
 from paraxis.parallel.strategy import ApplyContext
 from paraxis.runtime.collectives import all_gather_into, all_reduce_, barrier
 from paraxis.runtime.grid import DENSE_REPLICA_AXES, Grid
@@ -75,6 +76,11 @@ class Engine:
         self.stop_request: Any = None  # the per-step all-gather carries the flag)
         self._saver: AsyncSaver | None = None  # on the first async save
         self.masks = MaskSupport(checked=False)  # what parallelize measured of the masks
+        ctx.forward_context = self._precision_region  # a pipeline's forwards run in it
+        # fp16's loss scale, unless the optimizer scales in its own step (DeepSpeed's).
+        self.loss_scaler = LossScaler(train.loss_scale) if (
+            train.precision == "fp16" and not getattr(optimizer, "clips_in_step", False)
+        ) else None
 
     @property
     def rng_streams(self) -> Mapping[str, Any]:
@@ -83,14 +89,12 @@ class Engine:
 
     # ---- steps -----------------------------------------------------------------------
 
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if not self.train_cfg.bf16 or self._fp32_only:
-            return contextlib.nullcontext()
-        # Parameters stay fp32 (the master weights); matmuls run in bf16.
-        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+    def _precision_region(self) -> contextlib.AbstractContextManager[Any]:
+        # Parameters stay fp32 (the master weights); bf16/fp16 matmuls (precision.py).
+        return autocast("fp32" if self._fp32_only else self.train_cfg.precision, self.device)
 
     def _logits(self, batch: Batch) -> torch.Tensor:
-        with self._autocast():
+        with self._precision_region():
             out = self.model(batch.input_ids, **batch.model_kwargs(), **self.forward_kwargs)
         return out.logits if hasattr(out, "logits") else out
 
@@ -117,8 +121,10 @@ class Engine:
         # Gradients are averaged over the replicas; scaling by their number makes the
         # average a sum over all tokens divided by the global count. Auxiliary parts
         # are already normalized; they are averaged over microbatches.
-        scale = self.replicas.size / tokens.clamp(min=1)
-        aux_scale = self.replicas.size / len(microbatches)
+        # Under fp16 the whole objective is multiplied by the loss scale too.
+        loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        scale = self.replicas.size / tokens.clamp(min=1) * loss_scale
+        aux_scale = self.replicas.size / len(microbatches) * loss_scale
         self.ctx.aux_losses.reset_totals()
         if self.ctx.forward_backward is not None:  # a pipeline runs its own schedule
             with self.ctx.no_sync(), self.tracer.span("pipeline_schedule"):
@@ -133,7 +139,7 @@ class Engine:
         with self.tracer.span("optimizer"):
             self.optimizer.zero_grad(set_to_none=True)
             lr = self.optimizer.param_groups[0]["lr"]
-            if self.scheduler is not None:
+            if self.scheduler is not None and math.isfinite(norm):  # not a skipped step
                 self.scheduler.step()
         extra: dict[str, float] = {}
         for hook in self.ctx.step_hooks:
@@ -147,26 +153,15 @@ class Engine:
                            peak_flops=self.train_cfg.peak_flops,
                            flops_per_token=self._flops_per_token, devices=self.grid.world_size)
         out.update(memory)
+        if self.loss_scaler is not None:
+            out.update(self.loss_scaler.metrics())
         out.update(zip(self.ctx.aux_losses.names, sums[1:], strict=True))
         out.update(extra)
         return out
 
     def _clip_and_step(self) -> float:
-        """Global-norm clipping, then the optimizer step; the norm before clipping.
-
-        An optimizer whose step computes the norm and clips itself (DeepSpeed's engine:
-        norm, clipping and loss scaling happen inside ``engine.step``) sets
-        ``clips_in_step = True`` and returns the norm from ``step()``."""
-        if getattr(self.optimizer, "clips_in_step", False):
-            with self.tracer.span("optimizer"):
-                return float(self.optimizer.step())
-        with self.tracer.span("clip_grad_norm"):
-            clip = getattr(self.optimizer, "clip_grad_norm", None)
-            norm = (clip(self.train_cfg.grad_clip) if clip is not None else
-                    clip_grad_norm(self.params, self.train_cfg.grad_clip, self.grid))
-        with self.tracer.span("optimizer"):
-            self.optimizer.step()
-        return norm
+        return clip_and_step(self.optimizer, self.params, grad_clip=self.train_cfg.grad_clip,
+                             grid=self.grid, scaler=self.loss_scaler, tracer=self.tracer)
 
     def _reduce_step(self, total: torch.Tensor, step_time: float,
                      ) -> tuple[list[float], float, float]:
@@ -233,14 +228,15 @@ class Engine:
             self._fp32_only = False
 
     @contextlib.contextmanager
-    def fp32_backward(self, batch: Any, *, train_mode: bool = False) -> Iterator[None]:
+    def fp32_backward(self, batch: Any, *, train_mode: bool = False,
+                      in_precision: bool = False) -> Iterator[None]:
         """Within it, the gradients of this global batch's mean loss, back-propagated
-        through every axis in fp32 and eval mode (train mode if ``train_mode``: a
-        dropout-free model whose backward needs it) and synchronized, without stepping;
-        cleared on exit. The parity probe and the gradient parity checks read them
-        (auxiliary losses left out, as in the model's own)."""
+        through every axis in fp32 (``train.precision`` if ``in_precision``) and eval
+        mode (train mode if ``train_mode``: a dropout-free model whose backward needs it)
+        and synchronized, without stepping; cleared on exit. The parity probe and the
+        gradient parity checks read them (auxiliary losses left out, as in the model's)."""
         self.model.train(train_mode)
-        self._fp32_only = True
+        self._fp32_only = not in_precision
         try:
             batch, tokens = self._prepare(batch)
             microbatches = batch.chunk(self.config.schedule.microbatches)

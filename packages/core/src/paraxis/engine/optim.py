@@ -1,27 +1,49 @@
-"""Core's default optimizer (AdamW, decay for matrices only) and the warmup-cosine
-learning-rate schedule. Global gradient-norm clipping is in
-:mod:`paraxis.parallel.norms` (axes that own gradient shards call it too)."""
+"""The optimizer step (unscale under fp16, clip on the global norm, step) and the
+warmup-cosine learning-rate schedule. Which optimizer is built is
+:mod:`paraxis.parallel.optimizers`; the global norm is :mod:`paraxis.parallel.norms`."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
-from torch import nn
 
-__all__ = ["WarmupCosine", "build_adamw"]
+from paraxis.engine.precision import LossScaler, unscale_and_check
+from paraxis.parallel.norms import clip_grad_norm
+from paraxis.parallel.optimizers import optimizer_params
+from paraxis.runtime.grid import Grid
+
+__all__ = ["WarmupCosine", "clip_and_step"]
 
 
-def build_adamw(model: nn.Module, *, lr: float, weight_decay: float,
-                betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.AdamW:
-    """AdamW; matrices decay, vectors (norms, biases) do not, as in GPT-3 / Megatron."""
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas)
+def clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], *,
+                  grad_clip: float, grid: Grid, scaler: LossScaler | None,
+                  tracer: Any) -> float:
+    """Unscale (fp16), clip on the global norm, step; return the norm before clipping,
+    or nan for an fp16 step skipped on overflow, which leaves the weights as they were.
+
+    The norm is computed in fp32 or wider whatever the gradients' dtype. An optimizer
+    whose step computes the norm and clips itself (DeepSpeed's engine: norm, clipping
+    and loss scaling happen inside ``engine.step``) sets ``clips_in_step = True`` and
+    returns the norm from ``step()``. An optimizer over shards (ZeRO) has its own
+    ``clip_grad_norm`` over what it owns."""
+    if getattr(optimizer, "clips_in_step", False):
+        with tracer.span("optimizer"):
+            return float(optimizer.step())
+    if scaler is not None:
+        with tracer.span("unscale"):
+            overflow = unscale_and_check(optimizer_params(optimizer), 1.0 / scaler.scale,
+                                         grid)
+        scaler.update(overflow)
+        if overflow:
+            return math.nan
+    with tracer.span("clip_grad_norm"):
+        clip = getattr(optimizer, "clip_grad_norm", None)
+        norm = clip(grad_clip) if clip is not None else clip_grad_norm(params, grad_clip, grid)
+    with tracer.span("optimizer"):
+        optimizer.step()
+    return norm
 
 
 class WarmupCosine:

@@ -25,9 +25,19 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["FP32_UNIT_ROUNDOFF", "LARGEST_REDUCTION", "REDUCTION_RTOL", "reduction_rtol"]
+__all__ = ["BF16_RTOL", "BF16_UNIT_ROUNDOFF", "BF16_WIRE_RTOL", "FP32_UNIT_ROUNDOFF",
+           "LARGEST_REDUCTION", "REDUCTION_RTOL", "reduction_rtol"]
 
 FP32_UNIT_ROUNDOFF = 2.0 ** -24
+# bf16 keeps 8 significant bits. Its budgets count roundings of u rather than terms of a
+# sum, because one bf16 rounding (3.9e-3) outweighs any fp32 reduction's noise:
+# * BF16_WIRE_RTOL, a gradient sent over a bf16 reduction (parallelism.reduce_dtype):
+#   each rank's part rounded before the sum, the sum rounded after: 2u;
+# * BF16_RTOL, a step computed in bf16 on both sides (train.precision), where a layout
+#   moves where results are rounded: derived in paraxis.testing.tolerance, 4u.
+BF16_UNIT_ROUNDOFF = 2.0 ** -8
+BF16_WIRE_RTOL = 2 * BF16_UNIT_ROUNDOFF
+BF16_RTOL = 4 * BF16_UNIT_ROUNDOFF
 LARGEST_REDUCTION = 25_000
 REDUCTION_RTOL = 1e-5
 assert FP32_UNIT_ROUNDOFF * math.sqrt(LARGEST_REDUCTION) <= REDUCTION_RTOL

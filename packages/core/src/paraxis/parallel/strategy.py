@@ -133,6 +133,10 @@ class ApplyContext:
     # The pipeline's runner: (microbatches, loss_fn, scale, train) -> summed loss; None
     # runs microbatches one after another in this process.
     forward_backward: Callable[..., Any] | None = None
+    # The engine's precision region (autocast under bf16/fp16, nothing in fp32 or in the
+    # probe), for a forward a strategy runs itself (the pipeline's); set by the engine.
+    forward_context: Callable[[], contextlib.AbstractContextManager[Any]] = \
+        contextlib.nullcontext
     # How many ways the activations passed between pipeline stages are split along the
     # sequence after the batch transforms (tensor x sequence parallel sets it).
     activation_sequence_shards: int = 1

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from paraxis.config.parallel import AXES, PIPELINE_SCHEDULES
+from paraxis.parallel.optimizers import optimizer_state_bytes
 from paraxis.planner.evaluate import Plan, evaluate, make_layout, problems
 from paraxis.planner.explain import explain
 from paraxis.planner.inputs import Hardware, Workload
@@ -58,7 +59,10 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--schedule", choices=PIPELINE_SCHEDULES)
     p.add_argument("--virtual-stages", type=int, help="model chunks per pipeline rank")
     p.add_argument("--context-impl", choices=("ring", "ulysses"), default="ring")
-    p.add_argument("--precision", choices=("mixed", "fp32"), default="mixed")
+    p.add_argument("--precision", choices=("mixed", "bf16", "fp16", "fp32"), default="mixed",
+                   help="mixed: the ZeRO paper's 2+2+12 bytes per parameter; bf16/fp16: "
+                        "paraxis's train.precision (fp32 master parameters, 2-byte "
+                        "activations)")
     p.add_argument("--peak-flops", help="per device, e.g. 989e12 or 989T")
     p.add_argument("--bandwidth", help="intra=450GB/s,inter=50GB/s (bytes per second)")
     p.add_argument("--top", type=int, default=5, help="layouts shown when searching")
@@ -244,7 +248,9 @@ def fit_warning(config: Any, *, device_memory: str, model: str | None = None) ->
     m = config.schedule.microbatches
     micro = max(1, config.train.global_batch // (config.sample_shards * m))
     work = Workload(seq=config.train.seq_length, global_batch=config.train.global_batch,
-                    micro_batch=micro, precision="mixed" if config.train.bf16 else "fp32")
+                    micro_batch=micro, precision=config.train.precision,
+                    reduce_dtype=config.parallelism.reduce_dtype,
+                    optimizer_bytes=optimizer_state_bytes(config.train))
     hw = Hardware(device_memory=cap, headroom=HEADROOM)
     plan = evaluate(counts, config, work, hw, simulate=False)
     worst = plan.worst

@@ -2,8 +2,9 @@
 
 Bus convention (NCCL tests; paraxis.runtime.collectives counts the same way): a ring all-reduce
 of S bytes moves 2S(n-1)/n per rank, an all-gather or reduce-scatter S(n-1)/n, an
-all-to-all the bytes sent to other ranks, send/recv the message. Elements are 2 bytes
-under mixed precision, 4 under fp32 (``Workload.element_size``).
+all-to-all the bytes sent to other ranks, send/recv the message. Activation elements
+are 2 bytes except under fp32 (``Workload.element_size``); gradients and weights on the
+data axis travel as ``Workload.grad_wire_bytes`` and ``weight_bytes``.
 
 * data (ZeRO 0-2): 2Ψ(N-1)/N of gradient bytes Ψ, once per step (all-reduce, or
   reduce-scatter plus all-gather: the same volume; ZeRO section 7). ZeRO-3: 3Ψ(N-1)/N,
@@ -100,7 +101,7 @@ def communication(counts: ModelCounts, layout: ParallelConfig, work: Workload, *
 
     out: list[AxisComm] = []
     if d * e * c > 1:
-        out.append(_data(layout, el, dense_grad_params, expert_grad_params,
+        out.append(_data(layout, work, dense_grad_params, expert_grad_params,
                          link("data", "expert", "context")))
     if t > 1:
         replays = {"none": 0, "selective": 1, "full": 2}[sched.activation_checkpointing]
@@ -159,20 +160,22 @@ def _tensor_stage(counts: ModelCounts, layout: ParallelConfig, work: Workload, r
     return per_mb * m + once
 
 
-def _data(layout: ParallelConfig, el: int, dense: float, expert: float, link: str,
+def _data(layout: ParallelConfig, work: Workload, dense: float, expert: float, link: str,
           ) -> AxisComm:
-    """Gradients (and ZeRO-3's weights) over the replicas: dense over data x expert x
-    context, expert parameters over data x context."""
+    """Gradients (and ZeRO's weights) over the replicas: dense over data x expert x
+    context, expert parameters over data x context; gradients in
+    ``work.grad_wire_bytes``, gathered weights in ``work.weight_bytes``."""
     par, m = layout.parallelism, layout.schedule.microbatches
     n_dense, n_expert = layout.token_replicas, layout.token_replicas // par.expert
     grad = dense * (n_dense - 1) / n_dense + expert * (n_expert - 1) / n_expert
+    g, w = work.grad_wire_bytes, work.weight_bytes
     if par.zero == 3:
         return AxisComm("data", "all-gather x2 per microbatch + reduce-scatter",
-                        (2 * m + 1) * grad * el, n_dense, link,
+                        grad * (2 * m * w + g), n_dense, link,
                         "prefetched under forward and backward compute",
                         "weights gathered per microbatch, gradients once per step")
     op = "all-reduce" if par.zero == 0 else "reduce-scatter + all-gather"
-    return AxisComm("data", op, 2 * grad * el, n_dense, link,
+    return AxisComm("data", op, grad * (2 * g if par.zero == 0 else g + w), n_dense, link,
                     "bucketed under the backward; the last bucket is exposed",
                     "gradients once per step")
 

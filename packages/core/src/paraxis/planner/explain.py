@@ -18,8 +18,11 @@ LINKS = {"intra": "inside a node (NVLink/NVSwitch class)",
 
 def _resident(plan: Plan) -> str:
     m, w = plan.worst, plan.work
-    weights = "bf16/fp16 weights and gradients, fp32 master weights and Adam moments" \
-        if w.precision == "mixed" else "fp32 weights, gradients and Adam moments"
+    weights = {"mixed": "bf16/fp16 weights and gradients, fp32 master weights and Adam "
+                        "moments",
+               "fp32": "fp32 weights, gradients and Adam moments"}.get(
+        w.precision, f"fp32 weights (the master copy) and gradients, optimizer state; "
+                     f"{w.precision} activations")
     alive = m.notes["alive_microbatches"]
     return (f"1. Resident: the most loaded rank (stage {m.stage}) holds "
             f"{fmt_bytes(m.parameters)} of weights, {fmt_bytes(m.gradients)} of gradients "

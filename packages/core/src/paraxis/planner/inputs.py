@@ -18,11 +18,28 @@ class Workload:
     seq: int = 2048
     global_batch: int = 512
     micro_batch: int = 1
-    precision: Literal["mixed", "fp32"] = "mixed"
+    # mixed: the ZeRO paper's and DeepSpeed's (2-byte weights and gradients, 12 bytes of
+    # fp32 master weights and Adam state); bf16, fp16: paraxis's train.precision (fp32
+    # weights and gradients, 2-byte activations); fp32.
+    precision: Literal["mixed", "bf16", "fp16", "fp32"] = "mixed"
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # paraxis's parallelism.reduce_dtype
+    optimizer_bytes: float | None = None  # per parameter; None: Adam's for the precision
 
     @property
     def element_size(self) -> int:
-        """Bytes of one activation or communicated element (bf16/fp16 under mixed)."""
+        """Bytes of one activation or communicated element (bf16/fp16 unless fp32)."""
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def grad_wire_bytes(self) -> int:
+        """Bytes of one gradient element on the data and ZeRO reductions."""
+        if self.precision == "mixed" or self.reduce_dtype == "bf16":
+            return 2
+        return 4
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of one weight as held (and as ZeRO gathers it)."""
         return 2 if self.precision == "mixed" else 4
 
 

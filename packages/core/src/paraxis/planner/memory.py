@@ -3,9 +3,13 @@
 Model states follow ZeRO (Rajbhandari et al., arXiv:1910.02054, section 3 and Table 1):
 mixed precision keeps 2 bytes of weights and 2 of gradients per parameter plus K = 12 of
 optimizer state (fp32 master weights, Adam momentum and variance); fp32 training keeps
-4 + 4 + 8. ZeRO stage 1 divides the optimizer term by the data-parallel degree N, stage
-2 also the gradients, stage 3 also the weights. Dense parameters are replicated, hence
-sharded, over data x expert x context; expert parameters over data x context (DESIGN
+4 + 4 + 8, and so does paraxis under ``train.precision`` bf16 or fp16 (its parameters
+are the fp32 master weights and autocast makes the 2-byte copies per use,
+:mod:`paraxis.engine.precision`), so under ZeRO-1 it holds 8 + 8/N where the paper's
+scheme holds 4 + 12/N. Another optimizer than Adam changes K (SGD with momentum: 4).
+ZeRO stage 1 divides the optimizer term by the data-parallel degree N, stage 2 also
+the gradients, stage 3 also the weights. Dense parameters are replicated, hence sharded,
+over data x expert x context; expert parameters over data x context (DESIGN
 section 2).
 
 Activations per layer follow Korthikanti et al. (arXiv:2205.05198, Table 2), bytes for
@@ -47,15 +51,19 @@ __all__ = ["BYTES_PER_PARAM", "Memory", "held_params", "layer_activation_bytes",
 
 MiB = 2**20
 # (weights, gradients, optimizer state) bytes per parameter; ZeRO's 2 + 2 + K, K = 12.
-BYTES_PER_PARAM = {"mixed": (2, 2, 12), "fp32": (4, 4, 8)}
+BYTES_PER_PARAM = {"mixed": (2, 2, 12), "fp32": (4, 4, 8), "bf16": (4, 4, 8),
+                   "fp16": (4, 4, 8)}
 TERMS = ("parameters", "gradients", "optimizer", "activations", "buffers")
 
 
 def model_state_bytes(dense: float, expert: float = 0.0, *, zero: int, n_dense: int,
-                      n_expert: int = 1, precision: str = "mixed") -> tuple[float, ...]:
+                      n_expert: int = 1, precision: str = "mixed",
+                      optimizer_bytes: float | None = None) -> tuple[float, ...]:
     """(weights, gradients, optimizer) bytes of one rank holding ``dense`` and ``expert``
-    parameters, ZeRO stage ``zero`` over ``n_dense`` / ``n_expert`` replicas."""
+    parameters, ZeRO stage ``zero`` over ``n_dense`` / ``n_expert`` replicas
+    (``optimizer_bytes`` per parameter replaces Adam's K)."""
     w, g, k = BYTES_PER_PARAM[precision]
+    k = k if optimizer_bytes is None else optimizer_bytes
 
     def held(stage: int) -> float:  # the rank's share once ZeRO stage `stage` shards it
         if zero >= stage:
@@ -139,7 +147,7 @@ def rank_memory(counts: ModelCounts, layout: ParallelConfig, work: Workload,
     dense, expert = held_params(counts, layers, first, last, t, e, p)
     weights, grads, optim = model_state_bytes(
         dense, expert, zero=par.zero, n_dense=d * e * c, n_expert=d * c,
-        precision=work.precision)
+        precision=work.precision, optimizer_bytes=work.optimizer_bytes)
 
     alive = alive_units(sched.pipeline_schedule, p, m, v, rank)
     acts = _activations(counts, layout, work, rank, alive)

@@ -137,7 +137,8 @@ def _layer_fits(counts: ModelCounts, t: int, work: Workload, hw: Hardware) -> bo
         return True
     layer = max(counts.layers, key=lambda c: c.total)
     state = sum(model_state_bytes(layer.matrices / t + layer.vectors + layer.experts / t,
-                                  zero=0, n_dense=1, precision=work.precision))
+                                  zero=0, n_dense=1, precision=work.precision,
+                                  optimizer_bytes=work.optimizer_bytes))
     acts = layer_activation_bytes(s=work.seq, b=work.micro_batch, h=counts.hidden_size,
                                   a=counts.num_heads, t=t, element=work.element_size)
     return state + acts <= usable

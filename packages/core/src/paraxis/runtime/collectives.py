@@ -15,7 +15,7 @@ tensor); the differentiable pairs a model's forward needs are in
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from paraxis.runtime.group import AxisGroup
 from paraxis.runtime.liveness import guard
 
 __all__ = [
+    "WIRE_DTYPES",
     "CommStats",
     "Pending",
     "all_gather_into",
@@ -47,6 +48,10 @@ _gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_
 _scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+# ``parallelism.reduce_dtype`` -> what gradient reductions travel in (None: as held).
+WIRE_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
+
+
 def _record(group: AxisGroup, op: str, nbytes: float, seconds: float) -> None:
     stats = getattr(group, "stats", None)
     if stats is not None:
@@ -58,11 +63,14 @@ def _ring(t: torch.Tensor, n: int, factor: float = 1.0) -> float:
 
 
 class Pending:
-    """An asynchronous collective: ``wait()`` blocks, counts the seconds, and returns
-    the result (if the op produces one)."""
+    """An asynchronous collective: ``wait()`` blocks, counts the seconds, runs
+    ``finish`` (a narrower wire's copy back), and returns the result (if the op
+    produces one)."""
 
-    def __init__(self, work: Any, group: AxisGroup, op: str, result: Any = None):
+    def __init__(self, work: Any, group: AxisGroup, op: str, result: Any = None,
+                 finish: Callable[[], Any] | None = None):
         self.work, self.group, self.op, self.result = work, group, op, result
+        self.finish = finish
 
     def wait(self) -> Any:
         if self.work is not None:
@@ -71,17 +79,35 @@ class Pending:
                 self.work.wait()
             _record(self.group, self.op, 0.0, time.perf_counter() - start)
             self.work = None
+        if self.finish is not None:
+            self.finish()
+            self.finish = None
         return self.result
+
+
+def _narrow(pending: Pending | None, copy_back: Callable[[], Any]) -> Pending | None:
+    """Copy a reduction done on a narrower wire tensor back, now or on ``wait()``."""
+    if pending is None:
+        copy_back()
+        return None
+    pending.finish = copy_back
+    return pending
 
 
 # ---- in-place and buffer collectives (no autograd) ----------------------------------
 
 
 def all_reduce_(t: torch.Tensor, group: AxisGroup, *, op: Any = None,
-                async_op: bool = False) -> Pending | None:
-    """Sum (or ``op``) ``t`` in place over ``group``; a no-op for a group of one."""
+                async_op: bool = False, wire_dtype: torch.dtype | None = None,
+                ) -> Pending | None:
+    """Sum (or ``op``) ``t`` in place over ``group``; a no-op for a group of one. With
+    ``wire_dtype`` (``WIRE_DTYPES``) the reduction runs on a copy in that dtype."""
     if group.size == 1:
         return Pending(None, group, "all_reduce") if async_op else None
+    if wire_dtype is not None and wire_dtype != t.dtype:
+        wire = t.to(wire_dtype)
+        return _narrow(all_reduce_(wire, group, op=op, async_op=async_op),
+                       lambda: t.copy_(wire))
     kwargs = {} if op is None else {"op": op}
     start = time.perf_counter()
     with guard(group, "all_reduce"):
@@ -92,11 +118,18 @@ def all_reduce_(t: torch.Tensor, group: AxisGroup, *, op: Any = None,
 
 
 def reduce_scatter_into(out: torch.Tensor, flat: torch.Tensor, group: AxisGroup, *,
-                        async_op: bool = False) -> Pending | None:
-    """``out`` = this rank's equal part of the sum of ``flat`` over ``group``."""
+                        async_op: bool = False, wire_dtype: torch.dtype | None = None,
+                        ) -> Pending | None:
+    """``out`` = this rank's equal part of the sum of ``flat`` over ``group`` (summed in
+    ``wire_dtype`` if given)."""
     if group.size == 1:
         out.copy_(flat)
         return Pending(None, group, "reduce_scatter") if async_op else None
+    if wire_dtype is not None and wire_dtype != flat.dtype:
+        part = torch.empty(out.shape, dtype=wire_dtype, device=out.device)
+        send = flat.to(wire_dtype)  # held by the closure until the reduction is done
+        return _narrow(reduce_scatter_into(part, send, group, async_op=async_op),
+                       lambda: (send, out.copy_(part)))
     start = time.perf_counter()
     with guard(group, "reduce_scatter"):
         work = _scatter_flat(out, flat, group=group.pg, async_op=async_op)

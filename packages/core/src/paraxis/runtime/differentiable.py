@@ -17,6 +17,12 @@ section 3) and of sequence parallelism (Korthikanti et al., arXiv:2205.05198):
 ``all_gather(..., grad="slice")`` suits a gathered tensor whose every consumer is
 replicated over the group (its gradient is the same on every rank); ``grad="sum"`` a
 tensor that each rank uses for different work (the gradient is partial per rank).
+
+Under autocast (``train.precision`` bf16 or fp16) an fp32 activation travels in the
+autocast dtype, and so does its gradient: half the bytes. Where the consumer is a
+matmul, which autocast would cast to that dtype anyway, nothing changes; elsewhere (a
+residual stream, a norm's input) it is one rounding more than one process makes, inside
+the bf16 tolerance (:data:`paraxis.parallel.numerics.BF16_RTOL`).
 """
 
 from __future__ import annotations
@@ -48,21 +54,35 @@ __all__ = [
 ]
 
 
+def _wire_of(x: torch.Tensor) -> torch.dtype | None:
+    """The narrower dtype an fp32 activation travels in under autocast (its dtype), or
+    None: keep it as it is (fp32 training, integer counts, tensors already narrow)."""
+    kind = x.device.type
+    if x.dtype != torch.float32 or not torch.is_autocast_enabled(kind):
+        return None
+    return torch.get_autocast_dtype(kind)
+
+
+def _on(wire: torch.dtype | None, fn: Any, x: torch.Tensor, *args: Any) -> torch.Tensor:
+    """``fn(x, *args)`` with ``x`` sent in ``wire`` and the result cast back."""
+    return fn(x, *args) if wire is None else fn(x.to(wire), *args).to(x.dtype)
+
+
 class _CopyTo(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-        ctx.group = group
+        ctx.group, ctx.wire = group, _wire_of(x)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return summed(grad, ctx.group), None
+        return _on(ctx.wire, summed, grad, ctx.group), None
 
 
 class _ReduceFrom(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-        return summed(x, group)
+        return _on(_wire_of(x), summed, x, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -72,73 +92,77 @@ class _ReduceFrom(torch.autograd.Function):
 class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-        ctx.group = group
-        return summed(x, group)
+        ctx.group, ctx.wire = group, _wire_of(x)
+        return _on(ctx.wire, summed, x, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return summed(grad, ctx.group), None
+        return _on(ctx.wire, summed, grad, ctx.group), None
 
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: AxisGroup,
                 grad_sum: bool) -> torch.Tensor:
-        ctx.dim, ctx.group, ctx.grad_sum = dim, group, grad_sum
-        return gather_along(x, dim, group)
+        ctx.dim, ctx.group, ctx.grad_sum, ctx.wire = dim, group, grad_sum, _wire_of(x)
+        return _on(ctx.wire, gather_along, x, dim, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         if ctx.grad_sum:
-            return reduce_scatter_along(grad, ctx.dim, ctx.group), None, None, None
+            return (_on(ctx.wire, reduce_scatter_along, grad, ctx.dim, ctx.group), None,
+                    None, None)
         return own_part(grad, ctx.dim, ctx.group), None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: AxisGroup) -> torch.Tensor:
-        ctx.dim, ctx.group = dim, group
-        return reduce_scatter_along(x, dim, group)
+        ctx.dim, ctx.group, ctx.wire = dim, group, _wire_of(x)
+        return _on(ctx.wire, reduce_scatter_along, x, dim, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return gather_along(grad, ctx.dim, ctx.group), None, None
+        return _on(ctx.wire, gather_along, grad, ctx.dim, ctx.group), None, None
 
 
 class _Split(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: AxisGroup) -> torch.Tensor:
-        ctx.dim, ctx.group = dim, group
+        ctx.dim, ctx.group, ctx.wire = dim, group, _wire_of(x)
         return own_part(x, dim, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return gather_along(grad, ctx.dim, ctx.group), None, None
+        return _on(ctx.wire, gather_along, grad, ctx.dim, ctx.group), None, None
 
 
 class _AllToAllUneven(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: AxisGroup, send: tuple[int, ...],
-                recv: tuple[int, ...]) -> torch.Tensor:
+                recv: tuple[int, ...], narrow: bool) -> torch.Tensor:
         ctx.group, ctx.send, ctx.recv = group, send, recv
-        return exchange_rows(x, group, send, recv)
+        ctx.wire = _wire_of(x) if narrow else None
+        return _on(ctx.wire, exchange_rows, x, group, send, recv)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return exchange_rows(grad, ctx.group, ctx.recv, ctx.send), None, None, None
+        return (_on(ctx.wire, exchange_rows, grad, ctx.group, ctx.recv, ctx.send), None,
+                None, None, None)
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: AxisGroup, scatter_dim: int,
                 gather_dim: int) -> torch.Tensor:
-        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
-        return all_to_all_dims(x, group, scatter_dim, gather_dim)
+        ctx.group, ctx.dims, ctx.wire = group, (scatter_dim, gather_dim), _wire_of(x)
+        return _on(ctx.wire, all_to_all_dims, x, group, scatter_dim, gather_dim)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         scatter_dim, gather_dim = ctx.dims
-        return all_to_all_dims(grad, ctx.group, gather_dim, scatter_dim), None, None, None
+        return (_on(ctx.wire, all_to_all_dims, grad, ctx.group, gather_dim, scatter_dim),
+                None, None, None)
 
 
 def copy_to(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
@@ -183,10 +207,12 @@ def all_to_all(x: torch.Tensor, group: AxisGroup, *, scatter_dim: int,
 
 
 def all_to_all_uneven(x: torch.Tensor, group: AxisGroup, send: Sequence[int],
-                      recv: Sequence[int]) -> torch.Tensor:
+                      recv: Sequence[int], *, narrow: bool = True) -> torch.Tensor:
     """Rows of ``x`` go to ranks in order, ``send[i]`` to rank i; ``recv[j]`` rows arrive
-    from rank j (exchange the counts first). Backward returns gradients the same way."""
+    from rank j (exchange the counts first). Backward returns gradients the same way.
+    ``narrow=False`` keeps an fp32 result of a computation autocast does not cover in
+    fp32 on the wire (one process would add it to the residual stream unrounded)."""
     if group.size == 1:
         return x
     return _AllToAllUneven.apply(x, group, tuple(int(n) for n in send),
-                                 tuple(int(n) for n in recv))
+                                 tuple(int(n) for n in recv), narrow)

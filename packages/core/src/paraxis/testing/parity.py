@@ -9,7 +9,7 @@ from torch import nn
 
 from paraxis.checkpoint.format import optimizer_params
 from paraxis.parallel.placement import Placement, placement_of
-from paraxis.testing.tolerance import assert_gradients_close, assert_weights_close
+from paraxis.testing.tolerance import STEP_RTOL, assert_gradients_close, assert_weights_close
 
 __all__ = ["assemble", "assert_same_gradients", "assert_same_weights", "local_gradients",
            "local_shards", "random_token_shares", "train_on_random_tokens"]
@@ -26,24 +26,25 @@ def local_shards(model: nn.Module) -> dict[str, tuple[torch.Tensor, Placement]]:
     return out
 
 
-def local_gradients(engine: Any, batch: Any) -> Shards:
+def local_gradients(engine: Any, batch: Any, *, in_precision: bool = False) -> Shards:
     """This rank's gradients of its share of a global ``batch`` (the mean loss through
     every axis, synchronized, before any clipping or step), by global name with their
     placements: what the optimizer steps (a sharding optimizer's shards), mirrors left
     out; a parameter the loss does not reach reads zeros (a data-parallel bucket gives
     it zeros, one process None: the same gradient). Gradients are cleared after; the
     engine's state is untouched. A model whose backward needs train mode (Reformer's
-    reversible layers; dropout-free, as the probe requires) is run in it."""
+    reversible layers; dropout-free, as the probe requires) is run in it. In fp32, or
+    in the run's ``train.precision`` if ``in_precision``."""
     try:
-        return _gradients(engine, batch, train_mode=False)
+        return _gradients(engine, batch, train_mode=False, in_precision=in_precision)
     except AssertionError:  # Reformer asserts ``training`` in its backward
         with torch.random.fork_rng(devices=[]):
-            return _gradients(engine, batch, train_mode=True)
+            return _gradients(engine, batch, train_mode=True, in_precision=in_precision)
 
 
-def _gradients(engine: Any, batch: Any, *, train_mode: bool) -> Shards:
+def _gradients(engine: Any, batch: Any, *, train_mode: bool, in_precision: bool) -> Shards:
     out: Shards = {}
-    with engine.fp32_backward(batch, train_mode=train_mode):
+    with engine.fp32_backward(batch, train_mode=train_mode, in_precision=in_precision):
         for p in optimizer_params(engine.optimizer):
             rec = placement_of(p)
             if not rec.mirror:
@@ -52,13 +53,14 @@ def _gradients(engine: Any, batch: Any, *, train_mode: bool) -> Shards:
     return out
 
 
-def assert_same_gradients(per_rank: list[Shards], reference: Shards) -> None:
+def assert_same_gradients(per_rank: list[Shards], reference: Shards, *,
+                          rtol: float = STEP_RTOL) -> None:
     """Every parameter's gradient, assembled from the ranks (replicas must agree), equals
     one process's, element by element at the one-step tolerance
     (:func:`paraxis.testing.tolerance.assert_gradients_close`); none missing or extra."""
     full, ref = assemble(per_rank), assemble([reference])
     assert full.keys() == ref.keys(), sorted(full.keys() ^ ref.keys())
-    assert_gradients_close(full, ref)
+    assert_gradients_close(full, ref, rtol=rtol)
 
 
 def assemble(per_rank: list[Shards]) -> dict[str, torch.Tensor]:
