@@ -17,13 +17,12 @@ its anonymous memory says nothing.)"""
 from __future__ import annotations
 
 import gc
-import threading
-from pathlib import Path
 
 import pytest
 import torch
 
 import paraxis
+from paraxis.testing.memory import AnonPeak
 from paraxis.testing.tolerance import assert_losses_close
 
 pytest.importorskip("transformers")
@@ -102,36 +101,6 @@ def test_the_twin_probe_refuses_a_wrong_plan_for_pretrained_weights(worlds, tmp_
     save_debug_llama(tmp_path)
     for message in worlds.run(2, wrong_plan, str(tmp_path)):
         assert message is not None and "LlamaForCausalLM: with tensor 2" in message
-
-
-def _anon_kib():
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1])
-    raise LookupError("RssAnon")
-
-
-class AnonPeak:
-    """Peak anonymous resident memory (RssAnon, sampled every 0.2 ms by a thread) added
-    inside the block: tensors, not the safetensors files' page-cache pages that a
-    memory-mapped read maps in (those are shared and reclaimable)."""
-
-    def __enter__(self):
-        self.before = self.peak = _anon_kib()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.wait(0.0002):
-            self.peak = max(self.peak, _anon_kib())
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _anon_kib())
-        self.added = (self.peak - self.before) * 1024
 
 
 def peak_load(directory, options):

@@ -28,6 +28,22 @@ def paraxis_build_model(family: str, config: dict[str, Any]) -> Any:
 
 
 @hookimpl
+def paraxis_build_deferred(family: str, config: dict[str, Any], seed: int) -> Any:
+    import warnings
+
+    from paraxis_hf.build import build_causal_lm, known_family
+
+    if not known_family(family):
+        return None
+    try:
+        return build_causal_lm(family, config, deferred=True, seed=seed)
+    except ValueError as exc:  # the family's init cannot be replayed: built whole
+        warnings.warn(f"model.family {family!r} is built whole on every rank: {exc}",
+                      stacklevel=2)
+        return None
+
+
+@hookimpl
 def paraxis_stage_calls(model: Any, plan: Any) -> Any:
     try:
         from transformers import PreTrainedModel

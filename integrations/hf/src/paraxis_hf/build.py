@@ -1,10 +1,26 @@
-"""Build a transformers causal LM from a config mapping; nothing is downloaded."""
+"""Build a transformers causal LM from a config mapping; nothing is downloaded.
+
+``build_causal_lm(family, config)`` builds it whole, with transformers' own init from
+torch's global RNG. ``deferred=True`` is the one way to build a model bigger than a rank
+(``paraxis train`` builds every Hugging Face family so): the model arrives on the meta
+device with no parameter storage, carrying a materializer
+(``paraxis.parallel.strategy.MATERIALIZE_ATTR``) that :func:`paraxis.parallelize` calls
+once the layout is known. Each rank then draws only the pieces it owns, with the
+family's own init rule (:mod:`paraxis_hf.init_rules`) and values that depend on
+(seed, parameter name, element) alone (:mod:`paraxis_hf.invariant_init`), so one
+process, tensor 4 or pipeline 2 x tensor 2 start from the same model, element for
+element. The deferred model is a different draw from the whole one (same distribution,
+other numbers).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
+
+from paraxis.parallel.strategy import MATERIALIZE_ATTR
 
 __all__ = ["build_causal_lm", "known_family"]
 
@@ -15,9 +31,32 @@ def known_family(family: str) -> bool:
     return family in CONFIG_MAPPING
 
 
-def build_causal_lm(family: str, config: dict[str, Any]) -> nn.Module:
-    """``AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **config))``."""
+def build_causal_lm(family: str, config: dict[str, Any], *, deferred: bool = False,
+                    seed: int | None = None, dtype: torch.dtype | None = None) -> nn.Module:
+    """``AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **config))``.
+
+    With ``deferred=True`` the model is on the meta device until ``paraxis.parallelize``
+    gives each rank its own pieces, drawn from ``seed`` (default: the seed torch's
+    global generator was last given, ``torch.initial_seed()``) in ``dtype`` (default:
+    torch's default dtype). Raises ValueError, before any process group, for a family
+    whose init cannot be replayed piece by piece (a fill paraxis does not know, a module
+    whose buffers cannot be rebuilt), naming the parameters.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model(family, **config)
-    return AutoModelForCausalLM.from_config(cfg)
+    if not deferred:
+        return AutoModelForCausalLM.from_config(cfg)
+    from paraxis_hf.init_rules import record_init_rules
+    from paraxis_hf.materialize import InvariantInit, meta_model
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype or previous)
+    try:
+        model = meta_model(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    rules = record_init_rules(model)
+    seed = torch.initial_seed() if seed is None else seed
+    setattr(model, MATERIALIZE_ATTR, InvariantInit(rules, seed))
+    return model

@@ -22,8 +22,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from paraxis.parallel.placement import placement_of
+from paraxis.parallel.placement import Piece, Placement
 from paraxis.parallel.strategy import MATERIALIZE_ATTR
+from paraxis_hf.materialize import fill_meta_parameters, meta_model
 
 __all__ = ["SafetensorsDir", "from_pretrained"]
 
@@ -56,24 +57,6 @@ class SafetensorsDir:
         return self._open[file].get_slice(name)
 
 
-def _meta_model(config: Any) -> nn.Module:
-    """``AutoModelForCausalLM.from_config`` with every tensor on the meta device; modules
-    that hold only computed buffers (rotary embeddings) are rebuilt for real."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    for name, module in list(model.named_modules()):
-        if any(b.is_meta for b in module.buffers(recurse=False)):
-            if any(True for _ in module.parameters(recurse=False)):
-                raise NotImplementedError(f"{name} holds parameters and computed buffers; "
-                                          "from_pretrained cannot rebuild it")
-            parent, _, attr = name.rpartition(".")
-            owner = model.get_submodule(parent) if parent else model
-            setattr(owner, attr, type(module)(config=getattr(module, "config", config)))
-    return model
-
-
 class _Loader:
     """Gives every meta parameter its rank's slice (see the module docstring)."""
 
@@ -81,23 +64,14 @@ class _Loader:
         self.files, self.device = files, device
         self.loaded_bytes = 0
 
-    @torch.no_grad()
+    def value(self, rec: Placement, piece: Piece) -> torch.Tensor:
+        return self.files.slice(rec.name)[piece.where]
+
     def __call__(self, model: nn.Module) -> None:
         from paraxis.runtime.world import device_for_rank
 
         device = self.device or device_for_rank()
-        for param in model.parameters():
-            if not param.is_meta:
-                continue
-            rec = placement_of(param)
-            local = torch.zeros(rec.local_shape, dtype=param.dtype, device=device)
-            for piece in rec.pieces():
-                local[piece.local] = self.files.slice(rec.name)[piece.where]
-            new = nn.Parameter(local, requires_grad=param.requires_grad)
-            new.__dict__.update(param.__dict__)  # the placement and anything else set
-            torch.utils.swap_tensors(param, new)  # same object: every reference holds
-            self.loaded_bytes += local.numel() * local.element_size()
-        model.to(device)  # buffers
+        self.loaded_bytes += fill_meta_parameters(model, device, self.value)
 
 
 def from_pretrained(directory: str | Path, *, dtype: torch.dtype = torch.float32,
@@ -112,7 +86,7 @@ def from_pretrained(directory: str | Path, *, dtype: torch.dtype = torch.float32
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        model = _meta_model(config)
+        model = meta_model(config)
     finally:
         torch.set_default_dtype(previous)
     setattr(model, MATERIALIZE_ATTR, _Loader(SafetensorsDir(directory), device))

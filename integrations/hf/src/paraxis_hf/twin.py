@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paraxis_hf.shrink import _ROLE_OF, _Context, first_line, shrink_values
+from paraxis_hf.shrink import _ROLE_OF, _aliases, _Context, first_line, shrink_values
 from paraxis_hf.sizes import EXPERTS, HEADS, KV_HEADS, LAYERS
 
 __all__ = ["twin_config", "twin_model"]
@@ -41,6 +41,12 @@ def twin_config(model_config: Any, layout: Any) -> Any:
     keep = max(LAYERS, need["layers"])
     ctx = _Context.of(values, frozenset(), {}, keep)
     overrides = shrink_values(values, ctx, cls)
+    # A size already tiny is not among the changes; the twin keeps it rather than take
+    # the class's default (GPT-2's n_head 12 over a shrunk n_embd of 64).
+    aliases = _aliases(cls)
+    for key, value in values.items():
+        if key in _ROLE_OF and aliases.get(key, key) not in overrides:
+            overrides[aliases.get(key, key)] = value
     grown = {"heads": _multiple(HEADS, math.lcm(need["heads"], need["kv_heads"])),
              "kv_heads": _multiple(KV_HEADS, need["kv_heads"]),
              "experts": _multiple(EXPERTS, need["experts"]), "layers": len(ctx.chosen) or keep}

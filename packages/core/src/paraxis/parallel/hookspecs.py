@@ -68,6 +68,21 @@ def paraxis_build_model(family: str, config: dict[str, Any]) -> Any:
 
 
 @hookspec(firstresult=True)
+def paraxis_build_deferred(family: str, config: dict[str, Any], seed: int) -> Any:
+    """Build a model of ``family`` from ``config`` on the meta device, or return None.
+
+    Called by :func:`paraxis.train.build.build_model` before ``paraxis_build_model``
+    when no construction context answered (``paraxis_model_context``). The model carries
+    a materializer (``paraxis.parallel.strategy.MATERIALIZE_ATTR``) that gives each rank
+    only the pieces its placements own, with values that depend on (``seed``, parameter
+    name, element) alone, so every layout starts from the same model. paraxis-hf
+    answers for transformers model types whose init it can replay piece by piece and
+    returns None (with a warning saying why) for the others, which are then built whole.
+    firstresult.
+    """
+
+
+@hookspec(firstresult=True)
 def paraxis_load_pretrained(directory: str, config: dict[str, Any]) -> Any:
     """A model of the weights saved in ``directory`` (``model.pretrained``), its config
     fields overridden by ``config``, or None. Called by

@@ -24,9 +24,12 @@ def model_spec(cfg: RunConfig, vocab_size: int) -> ModelSection:
     return cfg.model
 
 
-def build_model(spec: ModelSection, plugin_manager: Any, *, seed: int = 0) -> nn.Module:
+def build_model(spec: ModelSection, plugin_manager: Any, *, seed: int = 0,
+                deferred: bool = False) -> nn.Module:
     """``tiny`` is built here; any other family, or ``pretrained`` weights, by the first
-    plugin that knows it."""
+    plugin that knows it. With ``deferred``, a family is first asked of
+    ``paraxis_build_deferred``: built on the meta device, each rank materializing only
+    what it owns once ``parallelize`` knows the layout (issue 24)."""
     torch.manual_seed(seed)  # every rank starts from the same weights
     if spec.pretrained:
         model = plugin_manager.hook.paraxis_load_pretrained(directory=spec.pretrained,
@@ -38,7 +41,13 @@ def build_model(spec: ModelSection, plugin_manager: Any, *, seed: int = 0) -> nn
         return model
     if spec.family == "tiny":
         return TinyTransformer(TinyConfig(**spec.config))
-    model = plugin_manager.hook.paraxis_build_model(family=spec.family, config=spec.config)
+    model = None
+    if deferred:
+        model = plugin_manager.hook.paraxis_build_deferred(family=spec.family,
+                                                           config=spec.config, seed=seed)
+    if model is None:
+        model = plugin_manager.hook.paraxis_build_model(family=spec.family,
+                                                        config=spec.config)
     if model is None:
         raise ValueError(f"model.family {spec.family!r}: no installed plugin builds it; "
                          "for Hugging Face model types: pip install paraxis-hf")

@@ -89,7 +89,8 @@ def start(cfg: RunConfig, history: list[dict[str, float]]) -> Run:
     init_distributed()  # a construction context may partition over the ranks
     context = pm.hook.paraxis_model_context(config=cfg)
     with context if context is not None else contextlib.nullcontext():
-        model = build_model(model_spec(cfg, tokenizer.vocab_size), pm, seed=cfg.train.seed)
+        model = build_model(model_spec(cfg, tokenizer.vocab_size), pm, seed=cfg.train.seed,
+                            deferred=context is None)
     # A model constructed partitioned cannot run whole on a rank: no parity probe.
     engine = parallelize(model, config=cfg, train=cfg.train, plugin_manager=pm,
                          verify=context is None)

@@ -1,0 +1,157 @@
+"""A transformers model on the meta device, and the loop that gives each rank its pieces.
+
+Both ways to start a model bigger than a rank share these. :func:`meta_model` builds it
+with no parameter storage (buffers, rotary frequencies and the like, are computed for
+real: their values come from the config, not from a file or a seed).
+:func:`fill_meta_parameters` is the loop behind ``MATERIALIZE_ATTR``
+(``paraxis.parallel.strategy``) that core calls once the layout is known: each
+parameter still on the meta device gets a tensor of its local shape, and each real
+block of it (``Placement.pieces``: tensor shards, packed blocks, an expert's rows;
+padding rows stay zero) is asked of a source, a safetensors slice
+(:mod:`paraxis_hf.pretrained`) or a layout-invariant draw (:class:`InvariantInit`). A
+rank never holds more than its own parameters (DeepSpeed-style meta init,
+transformers' ``device_map`` loading).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from paraxis.parallel.placement import Piece, Placement, placement_of
+from paraxis_hf.invariant_init import InitRule, piece_values
+
+__all__ = ["InvariantInit", "fill_meta_parameters", "meta_model"]
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Every parameter a module registers moves to the meta device at once; buffers
+    stay where they are made (accelerate's ``init_empty_weights(include_buffers=False)``).
+    A constructor's ``torch.empty`` is freed untouched, so it does not stay resident."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = type(param)(param.to("meta"),
+                                                   requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def meta_model(config: Any) -> nn.Module:
+    """``AutoModelForCausalLM.from_config`` with every parameter on the meta device and
+    every buffer computed for real: they come from the config, not from a file or a
+    seed, and are small. Modules that hold only buffers (rotary embeddings) are rebuilt
+    from the config; if another module holds both (Gemma's scaled embedding), the model
+    is built a second time with only its parameters on the meta device
+    (:func:`_parameters_on_meta`) and its buffers are taken from there. That second
+    build is kept for those families: its constructors' freed ``torch.empty`` buffers
+    move glibc's mmap threshold, which costs a sharded rank a few MB of heap."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    mixed = False
+    for name, module in list(model.named_modules()):
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            if any(True for _ in module.parameters(recurse=False)):
+                mixed = True
+                continue
+            parent, _, attr = name.rpartition(".")
+            owner = model.get_submodule(parent) if parent else model
+            setattr(owner, attr, type(module)(config=getattr(module, "config", config)))
+    if mixed:
+        with _parameters_on_meta():
+            real = dict(AutoModelForCausalLM.from_config(config).named_buffers())
+        for name, buffer in list(model.named_buffers()):
+            if buffer.is_meta:
+                parent, _, attr = name.rpartition(".")
+                model.get_submodule(parent)._buffers[attr] = real[name]
+    return model
+
+
+# Elements asked of the source at a time: a piece is split along its first dimension
+# so that the transient copy stays small beside the parameter it fills (an embedding's
+# piece whole would double its rank's peak while it is copied in).
+CHUNK = 1 << 18
+
+
+def _row_chunks(piece: Piece) -> list[Piece]:
+    """``piece`` cut along dimension 0 into blocks of about :data:`CHUNK` elements
+    (``local`` and ``where`` cut; the sources read nothing else)."""
+    if not piece.where:
+        return [piece]
+    row = math.prod(s.stop - s.start for s in piece.where[1:])
+    first, last = piece.where[0].start, piece.where[0].stop
+    step = max(1, CHUNK // max(row, 1))
+    if last - first <= step:
+        return [piece]
+    at = piece.local[0].start
+    return [dataclasses.replace(
+        piece, local=(slice(at + a - first, at + min(a + step, last) - first),
+                      *piece.local[1:]),
+        where=(slice(a, min(a + step, last)), *piece.where[1:]))
+        for a in range(first, last, step)]
+
+
+@torch.no_grad()
+def fill_meta_parameters(model: nn.Module, device: torch.device,
+                         value: Callable[[Placement, Piece], torch.Tensor]) -> int:
+    """Give every meta parameter of ``model`` its local tensor on ``device``, each piece
+    from ``value(record, piece)``; buffers follow to ``device``. The parameter object
+    stays the same (every reference, tied ones included, holds). Returns the bytes
+    allocated."""
+    allocated = 0
+    for param in model.parameters():
+        if not param.is_meta:
+            continue
+        rec = placement_of(param)
+        local = torch.zeros(rec.local_shape, dtype=param.dtype, device=device)
+        for piece in rec.pieces():
+            for part in _row_chunks(piece):
+                local[part.local] = value(rec, part)
+        new = nn.Parameter(local, requires_grad=param.requires_grad)
+        new.__dict__.update(param.__dict__)  # the placement and anything else set
+        torch.utils.swap_tensors(param, new)
+        allocated += local.numel() * local.element_size()
+    model.to(device)  # buffers
+    return allocated
+
+
+class InvariantInit:
+    """Materializes a model built from config: each piece drawn from (seed, name,
+    element) by :func:`paraxis_hf.invariant_init.piece_values` under the family's own
+    rule (:func:`paraxis_hf.init_rules.record_init_rules`), so every layout starts from
+    the same model."""
+
+    def __init__(self, rules: dict[str, InitRule], seed: int,
+                 device: torch.device | None = None):
+        self.rules, self.seed, self.device = rules, seed, device
+        self.allocated_bytes = 0
+
+    def value(self, rec: Placement, piece: Piece) -> torch.Tensor:
+        rule = self.rules.get(rec.name)
+        if rule is None:
+            raise KeyError(f"{rec.name}: no init rule recorded (known: "
+                           f"{sorted(self.rules)[:3]}...); was the model rebuilt?")
+        return piece_values(rule, seed=self.seed, name=rec.name,
+                            global_shape=rec.global_shape, where=piece.where,
+                            dtype=rec.dtype)
+
+    def __call__(self, model: nn.Module) -> None:
+        from paraxis.runtime.world import device_for_rank
+
+        device = self.device or device_for_rank()
+        self.allocated_bytes += fill_meta_parameters(model, device, self.value)
