@@ -5,10 +5,16 @@ import pytest
 from paraxis.planner.schedule import alive_units, bubble, closed_form_bubble, rank_chunks
 
 
-def test_rank_chunks_cover_every_layer_once_first_stages_take_the_remainder():
-    assert rank_chunks(10, 4) == [[(0, 3)], [(3, 3)], [(6, 2)], [(8, 2)]]
+def test_rank_chunks_are_the_pipeline_axis_split():
+    """The planner counts each stage's layers with the split the pipeline axis cuts the
+    model with (paraxis.parallel.split): the costliest stage as cheap as can be (its
+    tie-break leaves the first stage the fewest layers)."""
+    assert rank_chunks(10, 4) == [[(0, 1)], [(1, 3)], [(4, 3)], [(7, 3)]]
     inter = rank_chunks(8, 2, 2)  # global stage k on rank k % p
     assert inter == [[(0, 2), (4, 2)], [(2, 2), (6, 2)]]
+    # A head costing a layer and more moves layers off the last stage; split points win.
+    assert rank_chunks(8, 2, hidden=64, vocab=64 * 12 * 2) == [[(0, 5)], [(5, 3)]]
+    assert rank_chunks(8, 2, points=[2]) == [[(0, 2)], [(2, 6)]]
 
 
 def test_alive_microbatches_per_schedule():

@@ -2,8 +2,8 @@
 
 import pytest
 
+from paraxis.parallel.split import balanced_split, ranges_from_points
 from paraxis_pp import Action, Schedule, ScheduleError, build, check, simulate, theoretical_bubble
-from paraxis_pp.split import balanced_split, ranges_from_points
 from paraxis_pp.timeline import render_svg, render_text
 
 GRID = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 4, 8, 16) if m >= p]

@@ -19,6 +19,7 @@ from paraxis.config.shape import config_size
 from paraxis.parallel.model_plan import ModelPlan, PlanError
 from paraxis.parallel.numerics import REDUCTION_RTOL
 from paraxis.parallel.placement import placement_of, set_placement
+from paraxis.parallel.split import stage_ranges as split_ranges
 from paraxis.parallel.stages import (
     PipelineChunks,
     StageSpec,
@@ -30,7 +31,6 @@ from paraxis.parallel.strategy import ApplyContext, Phase, PipelineLayout, Strat
 from paraxis_pp.check import check
 from paraxis_pp.executor import PipelineRunner
 from paraxis_pp.schedules import build
-from paraxis_pp.split import balanced_split, ranges_from_points
 from paraxis_pp.tied import TiedGradSync
 
 __all__ = ["PipelineStrategy", "stage_ranges"]
@@ -44,12 +44,9 @@ def _config_value(model: nn.Module, size: str) -> int:
 
 def stage_ranges(model: nn.Module, num_layers: int, stages: int,
                  points: list[int] | None) -> list[tuple[int, int]]:
-    if points:
-        return ranges_from_points(num_layers, points)
-    hidden = _config_value(model, "hidden_size")
-    vocab = _config_value(model, "vocab_size")
-    head = vocab / (12 * hidden) if hidden else 0.0  # 2hV vs 24h^2 FLOPs per token
-    return balanced_split(num_layers, stages, first_extra=0.1 * head, last_extra=head)
+    """Core's split (:mod:`paraxis.parallel.split`, the planner's too) for ``model``."""
+    return split_ranges(num_layers, stages, hidden=_config_value(model, "hidden_size"),
+                        vocab=_config_value(model, "vocab_size"), points=points)
 
 
 class PipelineStrategy(Strategy):

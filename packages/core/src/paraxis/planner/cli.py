@@ -69,6 +69,9 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("--explain", action="store_true", help="answer the seed's checks")
     p.add_argument("--svg", metavar="FILE", help="write memory and communication as SVG")
+    p.add_argument("--dry-run", action="store_true",
+                   help="also lay the model out for one rank of each stage on the meta "
+                        "device in a fake process group and compare its bytes")
     p.set_defaults(func=run_plan)
 
 
@@ -216,10 +219,17 @@ def _run(args: argparse.Namespace) -> int:
         plan = _evaluate(counts, fixed, args, work, hw, world)
     if args.svg:
         Path(args.svg).write_text(plan_svg(plan))
+    rows = None
+    if args.dry_run:
+        from paraxis.planner.dryrun import dry_run
+
+        rows = dry_run(load_model_source(args.model), plan)
     if args.json:
         out = plan.to_json()
         if ranking is not None:
             out["search"] = _ranking_json(ranking, args.top)
+        if rows is not None:
+            out["dry_run"] = [{**vars(r), "ratio": r.ratio} for r in rows]
         print(json.dumps(out, indent=2))
         return 0
     if ranking is not None:
@@ -228,6 +238,10 @@ def _run(args: argparse.Namespace) -> int:
     print(format_plan(plan))
     if args.explain:
         print("\n" + explain(plan))
+    if rows is not None:
+        from paraxis.planner.dryrun import format_rows
+
+        print("\n" + format_rows(rows))
     return 0
 
 

@@ -44,7 +44,7 @@ from paraxis.config.parallel import AXES, ParallelConfig
 from paraxis.planner.inputs import Workload
 from paraxis.planner.memory import BYTES_PER_PARAM
 from paraxis.planner.model import ModelCounts
-from paraxis.planner.schedule import rank_chunks
+from paraxis.planner.schedule import layout_chunks
 
 __all__ = ["AxisComm", "communication", "link_of"]
 
@@ -76,9 +76,9 @@ def link_of(degrees: dict[str, int], axes: tuple[str, ...], gpus_per_node: int) 
     return "intra" if span <= gpus_per_node and gpus_per_node % span == 0 else "inter"
 
 
-def _stage_layers(counts: ModelCounts, p: int, v: int) -> list[list[int]]:
+def _stage_layers(counts: ModelCounts, layout: ParallelConfig) -> list[list[int]]:
     return [[i for start, n in chunks for i in range(start, start + n)]
-            for chunks in rank_chunks(counts.num_layers, p, v)]
+            for chunks in layout_chunks(counts, layout)]
 
 
 def communication(counts: ModelCounts, layout: ParallelConfig, work: Workload, *,
@@ -92,7 +92,7 @@ def communication(counts: ModelCounts, layout: ParallelConfig, work: Workload, *
     deg = layout.degrees
     b, s, h = work.micro_batch, work.seq, counts.hidden_size
     tokens = b * s / c  # this rank's tokens per microbatch
-    per_rank = _stage_layers(counts, p, v)
+    per_rank = _stage_layers(counts, layout)
     layers = max(len(r) for r in per_rank)
     moe = max(sum(1 for i in r if counts.layers[i].experts) for r in per_rank)
 

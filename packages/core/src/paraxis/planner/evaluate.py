@@ -147,7 +147,7 @@ def evaluate(counts: ModelCounts, layout: ParallelConfig, work: Workload,
     p, v = par.pipeline, sched.virtual_stages
     ranks = range(p) if every_rank else sorted({0, p - 1})
     memory = tuple(rank_memory(counts, layout, work, r) for r in ranks)
-    dense, expert = max((held_params(counts, rank_layers(counts, p, v, r), r == 0,
+    dense, expert = max((held_params(counts, rank_layers(counts, layout, r), r == 0,
                                      r == p - 1, par.tensor, par.expert, p)
                          for r in range(p)), key=sum)  # the rank with most gradients
     comm = tuple(communication(counts, layout, work, gpus_per_node=hardware.gpus_per_node,

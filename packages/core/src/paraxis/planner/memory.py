@@ -44,7 +44,7 @@ from paraxis.planner.activations import (
 )
 from paraxis.planner.inputs import Workload
 from paraxis.planner.model import LayerCount, ModelCounts
-from paraxis.planner.schedule import alive_units, rank_chunks
+from paraxis.planner.schedule import alive_units, layout_chunks
 
 __all__ = ["BYTES_PER_PARAM", "Memory", "held_params", "layer_activation_bytes",
            "model_state_bytes", "rank_layers", "rank_memory"]
@@ -115,18 +115,21 @@ class Memory:
         return {**{k: getattr(self, k) for k in TERMS}, "total": self.total}
 
 
-def rank_layers(counts: ModelCounts, p: int, v: int, rank: int) -> list[LayerCount]:
-    return [counts.layers[i] for start, n in rank_chunks(counts.num_layers, p, v)[rank]
+def rank_layers(counts: ModelCounts, layout: ParallelConfig, rank: int) -> list[LayerCount]:
+    """The layers pipeline rank ``rank`` holds (all its chunks')."""
+    return [counts.layers[i] for start, n in layout_chunks(counts, layout)[rank]
             for i in range(start, start + n)]
 
 
 def held_params(counts: ModelCounts, layers: list[LayerCount], first: bool, last: bool,
                  t: int, e: int, p: int) -> tuple[float, float]:
     """(dense, expert) parameters this rank holds: matrices and the vocabulary split over
-    tensor, norms and biases whole; a tied head is a second copy on the last stage when
-    the embedding lives on another one."""
+    tensor, norms and biases whole; experts split over expert and whole on each tensor
+    rank (paraxis's expert parallelism keeps them whole there: no expert tensor
+    parallelism; measured by ``paraxis plan --dry-run``); a tied head is a second copy on
+    the last stage when the embedding lives on another one."""
     dense = sum(c.matrices / t + c.vectors for c in layers)
-    expert = sum(c.experts / (e * t) for c in layers)
+    expert = sum(c.experts / e for c in layers)
     if first:
         dense += counts.embedding / t
     if last:
@@ -141,8 +144,8 @@ def rank_memory(counts: ModelCounts, layout: ParallelConfig, work: Workload,
     par, sched = layout.parallelism, layout.schedule
     t, p, e, c, d = par.tensor, par.pipeline, par.expert, par.context, par.data
     v, m = sched.virtual_stages, sched.microbatches
-    chunks = rank_chunks(counts.num_layers, p, v)[rank]
-    layers = rank_layers(counts, p, v, rank)
+    chunks = layout_chunks(counts, layout)[rank]
+    layers = rank_layers(counts, layout, rank)
     first, last = rank == 0, rank == p - 1
     dense, expert = held_params(counts, layers, first, last, t, e, p)
     weights, grads, optim = model_state_bytes(
@@ -176,7 +179,7 @@ def _activations(counts: ModelCounts, layout: ParallelConfig, work: Workload, ra
         moe_layer = layer_activation_bytes(**shape, h=counts.hidden_size,
                                            a=counts.num_heads, top_k=counts.top_k)
     per_chunk = []
-    for start, n in rank_chunks(counts.num_layers, p, sched.virtual_stages)[rank]:
+    for start, n in layout_chunks(counts, layout)[rank]:
         moe = sum(1 for i in range(start, start + n) if counts.layers[i].experts)
         per_chunk.append(moe * moe_layer + (n - moe) * dense_layer)
     # Alive units are taken from the rank's chunks in turn (warm-up runs chunk by chunk).
@@ -207,11 +210,11 @@ def _buffers(counts: ModelCounts, layout: ParallelConfig, work: Workload,
     out: dict[str, Any] = {}
     if layout.token_replicas > 1:
         if par.zero < 3:  # one bucket in flight, never more than the gradients it holds
-            held = sum(c.matrices / t + c.vectors + c.experts / (e * t) for c in layers)
+            held = sum(c.matrices / t + c.vectors + c.experts / e for c in layers)
             grad = BYTES_PER_PARAM[work.precision][1]
             out["data_bucket"] = min(par.bucket_mb * MiB, held * grad)
         elif layers:
-            unit = max(c.matrices / t + c.vectors + c.experts / (e * t) for c in layers)
+            unit = max(c.matrices / t + c.vectors + c.experts / e for c in layers)
             out["zero3_gathered"] = 2 * unit * w
     if par.pipeline > 1:
         shard = t if par.sequence_parallel else 1

@@ -24,19 +24,31 @@ from dataclasses import dataclass
 from typing import Any
 
 from paraxis.parallel import bubble as theory
+from paraxis.parallel.split import stage_ranges
 
-__all__ = ["Bubble", "alive_units", "bubble", "closed_form_bubble", "rank_chunks"]
+__all__ = ["Bubble", "alive_units", "bubble", "closed_form_bubble", "layout_chunks",
+           "rank_chunks"]
 
 SIMULATE_MAX_ACTIONS = 3_000  # beyond this, the closed form (the search never simulates)
 
 
-def rank_chunks(num_layers: int, p: int, v: int = 1) -> list[list[tuple[int, int]]]:
-    """Per pipeline rank, its chunks as (first layer, layer count), in chunk order."""
+def rank_chunks(num_layers: int, p: int, v: int = 1, *, hidden: int = 0, vocab: int = 0,
+                points: list[int] | None = None) -> list[list[tuple[int, int]]]:
+    """Per pipeline rank, its chunks as (first layer, layer count), in chunk order: the
+    pipeline axis's own split (:func:`paraxis.parallel.split.stage_ranges`, balanced with
+    the head's cost from ``hidden`` and ``vocab``, or the given split ``points``)."""
     chunks = p * v
-    base, extra = divmod(num_layers, chunks)
-    sizes = [base + (1 if k < extra else 0) for k in range(chunks)]
-    starts = [sum(sizes[:k]) for k in range(chunks)]
-    return [[(starts[k], sizes[k]) for k in range(r, chunks, p)] for r in range(p)]
+    ranges = stage_ranges(num_layers, chunks, hidden=hidden, vocab=vocab, points=points)
+    return [[(ranges[k][0], ranges[k][1] - ranges[k][0]) for k in range(r, chunks, p)]
+            for r in range(p)]
+
+
+def layout_chunks(counts: Any, layout: Any) -> list[list[tuple[int, int]]]:
+    """:func:`rank_chunks` of ``counts`` (a ModelCounts) under ``layout``."""
+    sched = layout.schedule
+    return rank_chunks(counts.num_layers, layout.parallelism.pipeline, sched.virtual_stages,
+                       hidden=counts.hidden_size, vocab=counts.vocab_size,
+                       points=sched.pipeline_split)
 
 
 def alive_units(schedule: str, p: int, m: int, v: int, rank: int) -> int:

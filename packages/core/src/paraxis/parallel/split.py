@@ -6,13 +6,17 @@ vocabulary costs about ``vocab / (12 x hidden)`` of a layer, Narayanan et al.'s
 accounting of 24·h² FLOPs per token per layer against 2·h·V for the logits). Explicit
 split points (the first layer of every stage after the first) are taken as given.
 Every layer lands on exactly one stage; no stage is empty.
+
+One definition for the pipeline axis (paraxis-pp-schedules cuts the model with it) and
+the planner (which counts each stage's layers with it), so a plan and a run agree on
+what a stage holds.
 """
 
 from __future__ import annotations
 
 import itertools
 
-__all__ = ["balanced_split", "ranges_from_points"]
+__all__ = ["balanced_split", "head_cost", "ranges_from_points", "stage_ranges"]
 
 
 def ranges_from_points(num_layers: int, points: list[int]) -> list[tuple[int, int]]:
@@ -22,6 +26,22 @@ def ranges_from_points(num_layers: int, points: list[int]) -> list[tuple[int, in
         raise ValueError(f"split points {points} leave a stage without layers "
                          f"(of {num_layers})")
     return ranges
+
+
+def head_cost(hidden: int, vocab: int) -> float:
+    """The output head's cost in layers: 2·h·V against a layer's 24·h² FLOPs per token."""
+    return vocab / (12 * hidden) if hidden else 0.0
+
+
+def stage_ranges(num_layers: int, stages: int, *, hidden: int, vocab: int,
+                 points: list[int] | None = None) -> list[tuple[int, int]]:
+    """Each stage's layers as a (first, end) range: ``points`` as given, else balanced
+    with the embedding (a tenth of the head) on the first stage and the head on the
+    last."""
+    if points:
+        return ranges_from_points(num_layers, points)
+    head = head_cost(hidden, vocab)
+    return balanced_split(num_layers, stages, first_extra=0.1 * head, last_extra=head)
 
 
 def balanced_split(num_layers: int, stages: int, *, first_extra: float = 0.0,
