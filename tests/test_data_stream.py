@@ -7,7 +7,6 @@ import json
 import random
 
 from paraxis.config.run import RunConfig
-from paraxis.testing import run_distributed
 from paraxis.testing.tolerance import assert_losses_close
 from paraxis.train.loop import train
 
@@ -42,31 +41,31 @@ def losses(degrees, data, train_kw):
     return [m["loss"] for m in history]
 
 
-def test_a_stream_trains_the_same_batches_on_any_layout_and_resumes_exactly(tmp_path):
+def test_a_stream_trains_the_same_batches_on_any_layout_and_resumes_exactly(tmp_path, worlds):
     """Two stream shards: data 2 (a shard a rank) equals one process reading both; a
     run stopped after 3 steps resumes on data 2 and on one process at the losses of the
     unbroken run (exact batches; the weights' reduction order differs, hence the shared
     tolerance)."""
     data = {"source": str(_corpus(tmp_path / "c")), "streaming": True, "stream_shards": 2}
-    (one,) = run_distributed(losses, 1, {}, data, {})
-    for run in run_distributed(losses, 2, {"data": 2}, data, {}):
+    (one,) = worlds.run(1, losses, {}, data, {})
+    for run in worlds.run(2, losses, {"data": 2}, data, {}):
         assert_losses_close(run, one, "data 2 against one process")
     for degrees, world in (({"data": 2}, 2), ({}, 1)):
         ckpt = str(tmp_path / f"ckpt{world}")
-        first = run_distributed(losses, 2, {"data": 2}, data,
+        first = worlds.run(2, losses, {"data": 2}, data,
                                 {"checkpoint_dir": ckpt, "exit_after_steps": 3})
         assert_losses_close(first[0], one[:3])
-        for rest in run_distributed(losses, world, degrees, data, {"checkpoint_dir": ckpt}):
+        for rest in worlds.run(world, losses, degrees, data, {"checkpoint_dir": ckpt}):
             assert_losses_close(rest, one[3:], f"resumed on {degrees or 'one process'}")
 
 
-def test_a_token_balanced_run_equals_an_unbalanced_one_on_data2(tmp_path):
+def test_a_token_balanced_run_equals_an_unbalanced_one_on_data2(tmp_path, worlds):
     """Unpacked rows of long-tailed lengths; balancing moves rows between the ranks of
     each global batch (and cuts each rank's padding to its longest row), never the
     loss."""
     source = _corpus(tmp_path / "c", files=1, docs=400, longest=12)
     data = {"source": str(source), "packing": False}
-    plain = run_distributed(losses, 2, {"data": 2}, data, {})
-    fair = run_distributed(losses, 2, {"data": 2}, {**data, "balance_tokens": True}, {})
+    plain = worlds.run(2, losses, {"data": 2}, data, {})
+    fair = worlds.run(2, losses, {"data": 2}, {**data, "balance_tokens": True}, {})
     assert_losses_close(fair[0], plain[0], "balanced against unbalanced")
     assert plain[0] == plain[1] and fair[0] == fair[1]
