@@ -109,7 +109,8 @@ class EvalData(_Section):
 class DataSection(_Section):
     """``source``: ``stdlib`` (the running interpreter's standard-library sources), a
     text or JSONL file, a directory of them, a ``datasets`` dataset saved to disk, or a
-    directory ``paraxis data prepare`` wrote (memory-mapped tokens)."""
+    directory ``paraxis data prepare`` wrote (memory-mapped tokens); with ``streaming``,
+    parquet, arrow or JSONL files read as they train (:mod:`paraxis.train.stream`)."""
 
     source: str = "stdlib"
     format: Literal["auto", "text", "jsonl", "hf_disk", "tokens"] = "auto"
