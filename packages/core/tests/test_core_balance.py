@@ -9,7 +9,7 @@ import torch
 
 from paraxis.config.run import DataSection, RunConfig
 from paraxis.train.balance import TokenBalancedStream, assign_balanced, padded_rows
-from paraxis.train.data import BatchStream, ByteTokenizer
+from paraxis.train.data import BatchStream, ByteTokenizer, check_data
 
 
 def long_tailed(n, seed=0, cap=512):
@@ -87,6 +87,6 @@ def test_the_balanced_stream_serves_the_same_global_batches_and_resumes(tmp_path
 
 def test_balance_needs_unpacked_rows():
     cfg = RunConfig.from_dict({"data": {"balance_tokens": True}})
-    assert [p.field for p in cfg.check_run()] == ["data.balance_tokens"]
+    assert [p.field for p in check_data(cfg, ByteTokenizer())] == ["data.balance_tokens"]
     cfg = RunConfig.from_dict({"data": {"balance_tokens": True, "packing": False}})
-    assert cfg.check_run() == []
+    assert check_data(cfg, ByteTokenizer()) == []

@@ -133,7 +133,7 @@ def test_modes_a_stream_cannot_honour_are_refused():
     cfg = RunConfig.from_dict({"parallelism": {"data": 2},
                                "data": {"streaming": True, "stream_shards": 3,
                                         "eval": {"fraction": 0.1}, "packing": False}})
-    fields = {p.field for p in cfg.check_run()}
+    fields = {p.field for p in check_data(cfg, ByteTokenizer())}
     assert {"data.streaming", "data.eval.fraction", "data.stream_shards",
             "data.packing"} <= fields, fields
 
@@ -166,3 +166,15 @@ def test_memory_while_streaming_does_not_grow_with_the_corpus(tmp_path):
     assert base < 8e6, base
     for large in (wide, deep):
         assert _peak_reading(large) < 1.2 * base + 100_000, (large, base)
+
+
+def test_train_names_a_bad_stream_before_any_process_group(tmp_path):
+    from paraxis.config.errors import ConfigError
+    from paraxis.train.loop import train
+
+    cfg = RunConfig.from_dict({"data": {"source": str(tmp_path / "nope"), "streaming": True,
+                                        "eval": {"fraction": 0.1}}})
+    with pytest.raises(ConfigError) as err:
+        train(cfg)
+    assert "does not exist" in str(err.value) and "data.eval.fraction" in str(err.value)
+    assert not torch.distributed.is_initialized()

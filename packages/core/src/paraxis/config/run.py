@@ -183,10 +183,12 @@ class RunConfig(ParallelConfig):
             problems.append(Problem("data.eval", held_out.model_dump(),
                                     "names both a fraction and a source",
                                     "keep one of data.eval.fraction and data.eval.source"))
-        return problems + self._check_data_modes()
+        return problems
 
-    def _check_data_modes(self) -> list[Problem]:
-        """Combinations of the data section's modes that cannot be honoured."""
+    def check_data_modes(self) -> list[Problem]:
+        """Combinations of the data section's modes that cannot be honoured (reported by
+        :func:`paraxis.train.data.check_data`, which ``train()`` runs before any process
+        group as the CLI does before any process)."""
         d, problems = self.data, []
         if d.streaming:
             if d.source == "stdlib" or d.format not in ("auto", "jsonl"):

@@ -80,7 +80,7 @@ def check_data(cfg: RunConfig, tokenizer: Any | None = None) -> list[Problem]:
     """What is wrong with the data sections, found without tokenizing anything: a source
     that does not exist or holds nothing, a text field the rows lack, a tokenizer whose
     vocabulary the model cannot embed. ``tokenizer``: the loaded one, else loaded here."""
-    problems = []
+    problems = cfg.check_data_modes()
     for field, source in [("data.source", cfg.data.source),
                           ("data.eval.source", cfg.data.eval.source)]:
         if source is not None:
