@@ -67,19 +67,25 @@ def test_ranks_read_their_own_shards_and_the_batches_do_not_depend_on_the_layout
         assert first == sorted(first)
 
 
-def test_a_resume_continues_at_the_same_batches_across_epochs_and_layouts(tmp_path):
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_resume_continues_at_the_same_batches_across_epochs_and_layouts(tmp_path,
+                                                                           shuffle):
     """Saved on 2 ranks (2 shards) after 30 batches (past an epoch of the smaller
     shards); resumed on 2 and on 1: the next global batches are the ones an unbroken run
-    reads. Shards that do not divide the files split by documents, as exactly."""
+    reads. Shards that do not divide the files split by documents, as exactly; with
+    ``shuffle`` the files' order changes each epoch, and the resume follows it."""
     source = _corpus(tmp_path / "c", files=3, docs=15)
-    unbroken = _streams(source, 2)
+    unbroken = _streams(source, 2, shuffle=shuffle, seed=4)
     reference = [_global(unbroken) for _ in range(45)]
-    saved = _streams(source, 2)
+    if shuffle:  # the order really differs from the files' own
+        plain = _streams(source, 2)
+        assert any(not torch.equal(_global(plain), r) for r in reference)
+    saved = _streams(source, 2, shuffle=shuffle, seed=4)
     for _ in range(30):
         _global(saved)
     assert any(p["epoch"] > 0 for p in _state(saved)["positions"].values())
     for ranks in (2, 1):
-        resumed = _streams(source, ranks)
+        resumed = _streams(source, ranks, shuffle=shuffle, seed=4)
         for s in resumed:
             s.load_state_dict(_state(saved))
         for b in range(30, 45):
