@@ -124,7 +124,10 @@ def test_bad_streams_are_named_before_anything_is_tokenized(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "other.jsonl").write_text('{"body": "x"}\n')
     (tmp_path / "notes.txt").write_text("x")
-    cases = {"nope": "does not exist", "mixed": "mixes .jsonl, .parquet",
+    (tmp_path / "prepared").mkdir()
+    (tmp_path / "prepared" / "meta.json").write_text("{}")
+    cases = {"prepared": "written by paraxis data prepare", "nope": "does not exist",
+             "mixed": "mixes .jsonl, .parquet",
              "empty.jsonl": "only empty files", "other.jsonl": "has no column 'text'",
              "notes.txt": "has no .parquet"}
     for name, says in cases.items():
@@ -184,3 +187,18 @@ def test_train_names_a_bad_stream_before_any_process_group(tmp_path):
         train(cfg)
     assert "does not exist" in str(err.value) and "data.eval.fraction" in str(err.value)
     assert not torch.distributed.is_initialized()
+
+
+def test_an_eval_source_beside_a_stream_is_packed_from_its_own_stream(tmp_path):
+    from paraxis.train.sources import open_stream
+
+    source, held = _corpus(tmp_path / "c"), _corpus(tmp_path / "held", files=1, seed=1)
+    datasets.Dataset.from_list([json.loads(line) for line in (
+        held / "part000.jsonl").read_text().splitlines()]).to_parquet(str(tmp_path / "h.parquet"))
+    cfg = RunConfig.from_dict({"train": {"seq_length": SEQ, "global_batch": BATCH},
+                               "data": {"source": str(source), "streaming": True,
+                                        "eval": {"source": str(tmp_path / "h.parquet")}}})
+    stream, rows = open_stream(cfg, ByteTokenizer(), rank=0, ranks=1)
+    assert isinstance(stream, StreamBatches) and rows.shape[1] == SEQ
+    text = bytes(rows.flatten().tolist()).decode()
+    assert text.startswith("0.0 ab") and "0.1 ab" in text  # the held-out file, in order

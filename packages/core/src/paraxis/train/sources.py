@@ -25,9 +25,9 @@ def open_stream(cfg: RunConfig, tokenizer: Any, *, rank: int, ranks: int
                                seq_length=train.seq_length, global_batch=train.global_batch,
                                rank=rank, ranks=ranks, shards=data.stream_shards,
                                shuffle=data.shuffle, seed=train.seed)
-        held = data.eval.source and pack(data.model_copy(update={"source": data.eval.source}),
-                                         train.seq_length, tokenizer)
-        return stream, held or None
+        held = None if data.eval.source is None else pack(
+            data.model_copy(update={"source": data.eval.source}), train.seq_length, tokenizer)
+        return stream, held
     common = dict(global_batch=train.global_batch, rank=rank, ranks=ranks,
                   shuffle=data.shuffle, seed=train.seed)
     if not data.packing:

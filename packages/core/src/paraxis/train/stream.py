@@ -33,6 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from paraxis.train.shards import is_prepared
+
 __all__ = ["StreamBatches", "check_stream", "stream_documents", "stream_files"]
 
 # suffix -> the datasets builder that reads it; .json only when nothing else is there
@@ -46,6 +48,9 @@ def stream_files(source: str) -> tuple[str, list[str]]:
     src = Path(source)
     if not src.exists():
         raise ValueError("does not exist")
+    if is_prepared(src):
+        raise ValueError("was written by paraxis data prepare: its tokens are memory-mapped "
+                         "already, set data.streaming: false")
     files = sorted(p for p in src.rglob("*") if p.is_file()) if src.is_dir() else [src]
     found = {p.suffix for p in files} & BUILDERS.keys()
     if found - {".json"}:
