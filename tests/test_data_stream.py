@@ -6,6 +6,8 @@ run equals an unbalanced one (the loss is normalized by the global token count).
 import json
 import random
 
+import pytest
+
 from paraxis.config.run import RunConfig
 from paraxis.testing.tolerance import assert_losses_close
 from paraxis.train.loop import train
@@ -69,3 +71,24 @@ def test_a_token_balanced_run_equals_an_unbalanced_one_on_data2(tmp_path, worlds
     fair = worlds.run(2, losses, {"data": 2}, {**data, "balance_tokens": True}, {})
     assert_losses_close(fair[0], plain[0], "balanced against unbalanced")
     assert plain[0] == plain[1] and fair[0] == fair[1]
+
+
+def mixtral_losses(degrees, data):
+    from paraxis_hf import DEBUG_CONFIGS
+
+    cfg = run_config(degrees, data)
+    model = {"family": "mixtral", "config": {**DEBUG_CONFIGS["mixtral"], "vocab_size": 256}}
+    history = []
+    train(cfg.model_copy(update={"model": cfg.model.model_copy(update=model)}), history)
+    return [m["loss"] for m in history]
+
+
+def test_expert_ranks_split_the_stream_too(tmp_path, worlds):
+    """Samples split over data x expert: on expert 2 each rank reads its own shard, and
+    the run equals one process reading both (Mixtral, 4 experts, top-2)."""
+    pytest.importorskip("paraxis_moe")
+    pytest.importorskip("paraxis_hf")
+    data = {"source": str(_corpus(tmp_path / "c")), "streaming": True, "stream_shards": 2}
+    (one,) = worlds.run(1, mixtral_losses, {}, data)
+    for run in worlds.run(2, mixtral_losses, {"expert": 2}, data):
+        assert_losses_close(run, one, "expert 2 against one process")
