@@ -112,7 +112,8 @@ class EvalData(_Section):
 class DataSection(_Section):
     """``source``: ``stdlib`` (the running interpreter's standard-library sources), a
     text or JSONL file, a directory of them, a ``datasets`` dataset saved to disk, or a
-    directory ``paraxis data prepare`` wrote (memory-mapped tokens)."""
+    directory ``paraxis data prepare`` wrote (memory-mapped tokens); with ``streaming``,
+    parquet, arrow or JSONL files read as they train (:mod:`paraxis.train.stream`)."""
 
     source: str = "stdlib"
     format: Literal["auto", "text", "jsonl", "hf_disk", "tokens"] = "auto"
@@ -124,6 +125,17 @@ class DataSection(_Section):
     # to another document and no target crosses a boundary. Off by default: pretraining
     # on concatenated text usually attends across; turn it on for fine-tuning data.
     document_masking: bool = False
+    # Read the source as it trains (paraxis.train.stream): local parquet, arrow or JSONL
+    # files streamed by ``datasets``, tokenized and packed on the fly, so a rank holds a
+    # few chunks whatever the corpus size. The stream is cut into ``stream_shards``
+    # (default: data x expert at the start) which ranks divide among themselves; a resume
+    # on data x expert that divides it continues exactly, any other is refused.
+    streaming: bool = False
+    stream_shards: PositiveInt | None = None
+    # One document per row, cut at seq_length and right-padded, instead of packing; with
+    # balance_tokens each global batch's rows go to ranks by real tokens (largest first).
+    packing: bool = True
+    balance_tokens: bool = False
     eval: EvalData = EvalData()
 
 
@@ -174,6 +186,40 @@ class RunConfig(ParallelConfig):
             problems.append(Problem("data.eval", held_out.model_dump(),
                                     "names both a fraction and a source",
                                     "keep one of data.eval.fraction and data.eval.source"))
+        return problems
+
+    def check_data_modes(self) -> list[Problem]:
+        """Combinations of the data section's modes that cannot be honoured (reported by
+        :func:`paraxis.train.data.check_data`, which ``train()`` runs before any process
+        group as the CLI does before any process)."""
+        d, problems = self.data, []
+        if d.streaming:
+            if d.source == "stdlib" or d.format not in ("auto", "jsonl"):
+                problems.append(Problem("data.streaming", True, f"streams local parquet, "
+                                        f"arrow or JSONL files, not source {d.source!r} "
+                                        f"in format {d.format!r}", "point data.source at "
+                                        "such files or a directory of them"))
+            if d.eval.fraction:
+                problems.append(Problem("data.eval.fraction", d.eval.fraction,
+                                        "a stream has no end to hold rows out from",
+                                        "give data.eval.source instead"))
+            if not d.packing:
+                problems.append(Problem("data.packing", False, "a stream packs its rows",
+                                        "set data.packing: true or data.streaming: false"))
+        shards = d.stream_shards
+        if shards is not None and (shards % self.sample_shards or
+                                   self.train.global_batch % shards):
+            problems.append(Problem("data.stream_shards", shards, f"must be a multiple of "
+                                    f"data x expert = {self.sample_shards} and divide "
+                                    f"train.global_batch = {self.train.global_batch}",
+                                    f"use {self.sample_shards}"))
+        if d.balance_tokens and d.packing:
+            problems.append(Problem("data.balance_tokens", True, "packed rows are all "
+                                    "full: there is nothing to balance",
+                                    "set data.packing: false"))
+        if not d.packing and (d.eval.fraction or d.eval.source):
+            problems.append(Problem("data.eval", d.eval.model_dump(), "unpacked rows do "
+                                    "not evaluate yet", "keep data.packing: true for eval"))
         return problems
 
 

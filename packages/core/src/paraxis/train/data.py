@@ -22,6 +22,7 @@ from paraxis.config.errors import Problem
 from paraxis.config.run import DataSection, RunConfig
 from paraxis.train.order import permute
 from paraxis.train.shards import TokenRows, check_shards, is_prepared, token_rows
+from paraxis.train.stream import check_stream, stream_documents
 
 __all__ = ["BatchStream", "ByteTokenizer", "check_data", "document_positions",
            "iter_documents", "load_tokenizer", "pack", "split_held_out"]
@@ -79,7 +80,7 @@ def check_data(cfg: RunConfig, tokenizer: Any | None = None) -> list[Problem]:
     """What is wrong with the data sections, found without tokenizing anything: a source
     that does not exist or holds nothing, a text field the rows lack, a tokenizer whose
     vocabulary the model cannot embed. ``tokenizer``: the loaded one, else loaded here."""
-    problems = []
+    problems = cfg.check_data_modes()
     for field, source in [("data.source", cfg.data.source),
                           ("data.eval.source", cfg.data.eval.source)]:
         if source is not None:
@@ -103,6 +104,10 @@ def check_data(cfg: RunConfig, tokenizer: Any | None = None) -> list[Problem]:
 def _check_source(field: str, source: str, cfg: DataSection) -> list[Problem]:
     if source == "stdlib":
         return []
+    if cfg.streaming:
+        why = check_stream(source, cfg.text_field)
+        return [] if why is None else [Problem(field, source, why, "give local parquet, "
+                                               "arrow or JSONL files with that column")]
     src = Path(source)
     if not src.exists():
         return [Problem(field, source, "does not exist", "give an existing file or directory")]
@@ -156,6 +161,9 @@ def _documents(cfg: DataSection) -> Iterator[str]:
     if cfg.source == "stdlib":
         for path in _stdlib_files():
             yield path.read_text(encoding="utf-8", errors="replace")
+        return
+    if cfg.streaming:  # an eval source beside a stream, or paraxis data prepare
+        yield from stream_documents(cfg.source, cfg.text_field)
         return
     src = Path(cfg.source)
     fmt = _format(src, cfg.format)
@@ -253,20 +261,26 @@ class BatchStream:
     def batches_per_epoch(self) -> int:
         return len(self.rows) // self.global_batch
 
-    def next_batch(self) -> torch.Tensor:
-        """This rank's share of the next global batch: (global_batch / ranks, seq)."""
+    def global_index(self) -> torch.Tensor:
+        """The row numbers of the next global batch, in order; advances the position."""
         per_epoch = self.batches_per_epoch * self.global_batch
         epoch, offset = divmod(self.position, per_epoch)
-        per = self.global_batch // self.ranks
-        start = offset + self.rank * per
         self.position += self.global_batch
-        index = torch.arange(start, start + per)
+        index = torch.arange(offset, offset + self.global_batch)
         if self.shuffle:  # the epoch's order over every row; the tail past whole batches
             index = permute(index, len(self.rows), self.seed + epoch)  # differs by epoch
-        return self.rows[index]
+        return index
+
+    def next_batch(self) -> Any:
+        """This rank's share of the next global batch: (global_batch / ranks, seq)."""
+        per = self.global_batch // self.ranks
+        return self.rows[self.global_index()[self.rank * per:(self.rank + 1) * per]]
 
     def state_dict(self) -> dict[str, int]:
         return {"position": self.position, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        if "position" not in state:
+            raise ValueError(f"the checkpoint's data position ({state.get('kind')}) is not "
+                             "rows': resume with the data settings it was saved with")
         self.position, self.seed = int(state["position"]), int(state["seed"])

@@ -23,15 +23,10 @@ from paraxis.engine.plugins import make_plugin_manager
 from paraxis.parallel.summary import RunReport
 from paraxis.runtime.world import init_distributed
 from paraxis.train.build import build_model, model_spec
-from paraxis.train.data import (
-    BatchStream,
-    check_data,
-    document_positions,
-    load_tokenizer,
-    split_held_out,
-)
+from paraxis.train.data import BatchStream, check_data, document_positions, load_tokenizer
 from paraxis.train.failures import RankRecord
 from paraxis.train.lifecycle import StopRequest
+from paraxis.train.sources import open_stream
 from paraxis.train.summary import console_line, progress, summarize, summary_table
 
 __all__ = ["Run", "evaluate", "finish", "run_steps", "start", "train"]
@@ -44,7 +39,7 @@ class Run:
     cfg: RunConfig
     pm: Any  # the plugin manager
     engine: Engine
-    stream: BatchStream
+    stream: Any  # a BatchStream, or another with its methods (paraxis.train.sources)
     signals: StopRequest
     history: list[dict[str, float]]
     first_step: int  # the engine's step when this run started (after a resume)
@@ -56,7 +51,7 @@ class Run:
     def feed(self, rows: Any) -> Any:
         """What the engine gets for packed ``rows``: the rows, or with document masking
         the rows and their per-document position ids."""
-        if self.separator is None:
+        if self.separator is None or isinstance(rows, dict):  # unpacked rows: a mask
             return rows
         return {"input_ids": rows, "position_ids": document_positions(rows, self.separator)}
 
@@ -97,9 +92,7 @@ def start(cfg: RunConfig, history: list[dict[str, float]]) -> Run:
     signals = StopRequest().install()
     engine.stop_request = signals
     index, count = engine.grid.sample_shard()
-    rows, held_out = split_held_out(cfg.data, cfg.train.seq_length, tokenizer)
-    stream = BatchStream(rows, global_batch=cfg.train.global_batch, rank=index, ranks=count,
-                         shuffle=cfg.data.shuffle, seed=cfg.train.seed)
+    stream, held_out = open_stream(cfg, tokenizer, rank=index, ranks=count)
     if held_out is not None and len(held_out) < cfg.train.global_batch:
         raise ValueError(f"data.eval holds {len(held_out)} sequences, fewer than one global "
                          f"batch of {cfg.train.global_batch}")
@@ -206,4 +199,7 @@ def _show_reports(run: Run, reports: list[RunReport]) -> None:
 
 def _save(run: Run) -> None:
     if run.cfg.train.checkpoint_dir:
+        gather = getattr(run.stream, "gathered_state", None)
+        if gather is not None:  # a stream whose ranks each know their own part
+            run.engine.data_state = gather()
         run.engine.save(run.cfg.train.checkpoint_dir)
