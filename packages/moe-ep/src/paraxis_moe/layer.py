@@ -26,7 +26,9 @@ import torch
 from torch import nn
 
 from paraxis.parallel.aux_losses import AuxLosses
+from paraxis.runtime.collectives import all_reduce_
 from paraxis.runtime.grid import AxisGroup
+from paraxis.runtime.world import device_for_rank
 from paraxis_moe.balance import BiasBalancer, SequenceLosses, correction_bias, sigmoid_scored
 from paraxis_moe.config import MoEConfig, aux_coef, experts_per_token
 from paraxis_moe.experts import (
@@ -177,9 +179,12 @@ class ExpertParallel:
         self._hooks: list[Any] = []
         biases = {name: bias for root, name, _, _ in parts
                   if (bias := correction_bias(root.get_submodule(name))) is not None}
-        # DeepSeek-V3's sequence-wise loss for its sigmoid routers, Switch's otherwise.
-        sequence_wise = bool(biases) and all(sigmoid_scored(r) for _, n, r, _ in parts
-                                             if n in biases and r is not None)
+        # DeepSeek-V3's sequence-wise loss for its sigmoid routers, Switch's otherwise;
+        # one choice for the whole model, since pipeline stages carry the loss's numbers
+        # along and must agree on their size (a stage may hold no biased router).
+        sequence_wise = _agreed(bool(biases) and all(
+            sigmoid_scored(r) for _, n, r, _ in parts if n in biases and r is not None),
+            pipeline)
         common = {"aux_coef": aux_coef(self.moe, cfg), "z_coef": self.moe.z_loss_coef,
                   "group": token_group}
         self.losses = (SequenceLosses(self.num_experts, self.top_k,
@@ -269,3 +274,12 @@ class ExpertParallel:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+def _agreed(local: bool, pipeline: AxisGroup | None) -> bool:
+    """True when any pipeline stage says so (collective over ``pipeline``)."""
+    if pipeline is None or pipeline.size == 1:
+        return local
+    flag = torch.tensor([float(local)], device=device_for_rank())  # NCCL needs it there
+    all_reduce_(flag, pipeline, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item() > 0)
