@@ -90,10 +90,11 @@ def check_buffers(index: dict[str, Any], model: nn.Module, ckpt: Path) -> list[s
     if absent and index["format_version"] >= BUFFERS_SINCE:
         wrong += [f"buffer {name} is missing" for name in absent]
     elif absent:
+        more = f" and {len(absent) - 4} more" if len(absent) > 4 else ""
         warnings.warn(
             f"{ckpt} is format {index['format_version']}, which saved no buffers: "
-            f"{', '.join(absent[:4])}{f' (and {len(absent) - 4} more)' if len(absent) > 4 else ''}"
-            " keep the values the model was built with, not the saved run's", stacklevel=3)
+            f"{', '.join(absent[:4])}{more} keep the values the model was built with, not "
+            "the saved run's; the resumed run is not the one that was saved", stacklevel=3)
     return wrong
 
 
