@@ -163,8 +163,8 @@ def read_model_tensors(directory: str | os.PathLike[str], *, verify: bool = True
     """The index and every model tensor of a checkpoint, whole, assembled from its shards
     on whatever grid wrote it (one process, no process group). Keys are the global
     parameter names; a packed dimension's blocks keep their ``#partK`` suffix (the
-    caller knows along which dimension they go). For exporters (paraxis-hf's
-    ``paraxis checkpoint export-hf``)."""
+    caller knows along which dimension they go). Parameters only: the ``buffer/``
+    tensors are left out. For exporters (paraxis-hf's ``paraxis checkpoint export-hf``)."""
     ckpt = resolve(directory)
     index = read_index(ckpt)
     reader = Reader(ckpt, index, verify=verify)
