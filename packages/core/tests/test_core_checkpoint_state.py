@@ -1,7 +1,8 @@
 """The checkpoint format written and read without an Engine: any TrainState will do.
 Persistent buffers (BatchNorm's running statistics) are saved and restored, non-persistent
-ones are not; a format-2 checkpoint (no buffers) leaves the model's own, with a warning; a
-format-3 one that lacks a buffer is another model's."""
+ones are not; a buffer an axis split (it carries a placement record) saved on tensor=2
+loads whole on one process; a format-2 checkpoint (no buffers) leaves the model's own,
+with a warning; a format-3 one that lacks a buffer is another model's."""
 
 import json
 import warnings
@@ -17,13 +18,13 @@ from paraxis.checkpoint import (
     read_model_tensors,
     save_checkpoint,
 )
-from paraxis.config.parallel import ParallelConfig
-from paraxis.parallel.placement import record_replicated
+from paraxis.config.parallel import AXES, ParallelConfig
+from paraxis.parallel.placement import Placement, record_replicated, set_placement
 from paraxis.runtime.grid import Grid
 from paraxis.runtime.world import init_distributed
 
 
-def _state(seed: int, grid: Grid) -> StateRecord:
+def _state(seed: int, grid: Grid, config: ParallelConfig | None = None) -> StateRecord:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3), nn.BatchNorm1d(3))
     model[2].register_buffer("scratch", torch.randn(3), persistent=False)
@@ -31,8 +32,8 @@ def _state(seed: int, grid: Grid) -> StateRecord:
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     model(torch.randn(2, 4)).sum().backward()
     optimizer.step()
-    return StateRecord(model=model, optimizer=optimizer, grid=grid, config=ParallelConfig(),
-                       step=7, data_state={"position": 42})
+    return StateRecord(model=model, optimizer=optimizer, grid=grid,
+                       config=config or ParallelConfig(), step=7, data_state={"position": 42})
 
 
 def save_and_restore(directory: str) -> tuple[bool, bool, int, dict, list]:
@@ -109,3 +110,32 @@ def test_a_checkpoint_from_before_buffers_keeps_the_models_own(worlds, tmp_path)
 def test_a_current_checkpoint_missing_a_buffer_is_another_models(worlds, tmp_path):
     refused = worlds.run(1, load_without_buffers, str(tmp_path), 3)[0][2]
     assert "saved from another model: buffer 2.running_mean is missing" in refused
+
+
+def split_buffer_saved_then_loaded(directory: str, tensor: int) -> torch.Tensor:
+    """Save (tensor=2: each rank holds half of a 4-row buffer, with its record) or load
+    (tensor=1: the whole buffer) the buffer ``2.split``; returns the buffer after it."""
+    init_distributed()
+    config = ParallelConfig.from_kwargs(tensor=tensor)
+    grid = Grid.build(config)
+    state = _state(0, grid, config)
+    if tensor == 1:
+        state.model[2].register_buffer("split", torch.zeros(4))
+        load_checkpoint(state, directory)
+    else:
+        t = grid.coords["tensor"]
+        local = torch.arange(10.0, 14.0)[2 * t:2 * t + 2].clone()
+        whole = Placement("2.split", (4,), torch.float32,
+                          replicated=tuple(a for a in AXES if a != "pipeline"))
+        set_placement(local, whole.sharded(dim=0, axis="tensor", offset=2 * t, length=2))
+        state.model[2].register_buffer("split", local)
+        save_checkpoint(state, directory)
+    grid.destroy()
+    return state.model[2].split.clone()
+
+
+def test_a_split_buffer_saved_on_two_ranks_loads_whole_on_one(worlds, tmp_path):
+    halves = worlds.run(2, split_buffer_saved_then_loaded, str(tmp_path), 2)
+    assert [h.tolist() for h in halves] == [[10.0, 11.0], [12.0, 13.0]]
+    whole = worlds.run(1, split_buffer_saved_then_loaded, str(tmp_path), 1)[0]
+    assert whole.tolist() == [10.0, 11.0, 12.0, 13.0]

@@ -47,16 +47,16 @@ _REPLICATED = tuple(a for a in AXES if a != "pipeline")
 
 
 def model_buffers(model: nn.Module) -> dict[str, tuple[Placement, torch.Tensor]]:
-    """Every persistent buffer this rank holds, by global name, with its placement."""
+    """Every persistent buffer this rank holds, by global name (its record's, else its
+    module path), with its placement."""
     out: dict[str, tuple[Placement, torch.Tensor]] = {}
     for chunk in chunks_of(model):
         for module_name, module in chunk.named_modules():
             for local, buf in module.named_buffers(recurse=False):
                 if buf is None or local in module._non_persistent_buffers_set:
                     continue
-                name = f"{module_name}.{local}" if module_name else local
-                if name not in out:
-                    out[name] = (_placement(name, buf), buf)
+                rec = _placement(f"{module_name}.{local}" if module_name else local, buf)
+                out.setdefault(rec.name, (rec, buf))
     return out
 
 
