@@ -1,10 +1,11 @@
 """Layer 4, checkpoints that encode the grid (DESIGN section 6).
 
 ``state`` (the :class:`TrainState` a checkpoint reads; no engine needed), ``format``
-(keys, pieces and the index), ``files`` (checked before trusted), ``write`` (the save's
-stages), ``background`` (the same stages with the write in a thread), ``read`` (any
-grid's checkpoint onto this grid), ``inspect`` (what a checkpoint holds). Imports the
-parallel contract, the runtime and config.
+(keys, pieces and the index), ``buffers`` (the model's persistent buffers), ``files``
+(checked before trusted), ``write`` (the save's stages), ``background`` (the same stages
+with the write in a thread), ``read`` (any grid's checkpoint onto this grid),
+``inspect`` (what a checkpoint holds). Imports the parallel contract, the runtime and
+config.
 """
 
 from paraxis.checkpoint.files import FORMAT_VERSION, CheckpointError

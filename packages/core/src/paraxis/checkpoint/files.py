@@ -22,7 +22,12 @@ from paraxis.version import __version__
 __all__ = ["FORMAT_VERSION", "CheckedFiles", "CheckpointError", "file_digest", "read_index"]
 
 # 2: files carry size and sha256 (version 1 is still read, without those checks).
-FORMAT_VERSION = 2
+# 3: the model's persistent buffers are saved (``buffer/<name>``) and a checkpoint must
+#    hold every one the model has; 1 and 2 are still read, the model keeping its own
+#    buffers (paraxis.checkpoint.buffers). Bumped although a version-2 reader could parse
+#    the index: it would resume without the buffers, silently training another run, so
+#    it is told to upgrade instead.
+FORMAT_VERSION = 3
 _CHUNK = 1 << 22
 
 

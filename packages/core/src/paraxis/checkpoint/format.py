@@ -8,6 +8,7 @@ grid (degrees and every rank's coordinates), the step, the data position, schedu
 and optimizer hyper-parameters, Python RNG states, every file's size and SHA-256, and
 for every tensor its global name, shape, dtype and the file, key and offsets of each
 shard. Keys: ``model/<name>[#partK]``, ``optim/<name>[#partK]/<state>``,
+``buffer/<name>[#partK]`` (persistent buffers, :mod:`paraxis.checkpoint.buffers`),
 ``rng/rank<r>/<stream>``. Each distinct shard is written once, by the replica whose
 coordinates on the replicated axes are all zero.
 """

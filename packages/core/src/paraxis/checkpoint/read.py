@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from paraxis.checkpoint.buffers import check_buffers, load_buffers
 from paraxis.checkpoint.files import CheckedFiles, CheckpointError, read_index
 from paraxis.checkpoint.format import optimizer_keys, optimizer_params, pieces, resolve
 from paraxis.checkpoint.state import Restored, TrainState
@@ -81,7 +82,8 @@ def _optimizer_state(reader: Reader, keys: dict[str, list[str]], param: torch.Te
 
 
 def check_model(index: dict[str, Any], model: torch.nn.Module, ckpt: Path) -> None:
-    """Every parameter of ``model`` is in the checkpoint, with its global shape."""
+    """Every parameter of ``model`` is in the checkpoint, with its global shape; so is
+    every persistent buffer (:func:`paraxis.checkpoint.buffers.check_buffers`)."""
     wrong = []
     for param in model.parameters():
         rec = placement_of(param)
@@ -93,6 +95,7 @@ def check_model(index: dict[str, Any], model: torch.nn.Module, ckpt: Path) -> No
             elif list(entry["shape"]) != list(shape):
                 wrong.append(f"{rec.name}{suffix} has global shape {entry['shape']}, the "
                              f"model's is {list(shape)}")
+    wrong += check_buffers(index, model, ckpt)
     if wrong:
         raise CheckpointError(
             f"{ckpt} was saved from another model: {'; '.join(wrong[:4])}"
@@ -102,14 +105,16 @@ def check_model(index: dict[str, Any], model: torch.nn.Module, ckpt: Path) -> No
 @torch.no_grad()
 def load_checkpoint(state: TrainState, directory: str | os.PathLike[str], *,
                     verify: bool = True) -> Restored:
-    """Restore model, optimizer, scheduler and (same grid) RNG into ``state``; return the
-    step and data position for the run to take over. ``verify`` checks each file's
-    SHA-256 before reading it (sizes are always checked). Collective."""
+    """Restore model (parameters and persistent buffers), optimizer, scheduler and (same
+    grid) RNG into ``state``; return the step and data position for the run to take over.
+    ``verify`` checks each file's SHA-256 before reading it (sizes are always checked).
+    Collective."""
     ckpt = resolve(directory)
     index = read_index(ckpt)
     check_model(index, state.model, ckpt)
     reader = Reader(ckpt, index, verify=verify)
     _load_weights_and_state(state, reader)
+    load_buffers(reader, state.model)
     for group, saved in zip(state.optimizer.param_groups,
                             index["optimizer"]["param_groups"], strict=True):
         group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
@@ -158,8 +163,8 @@ def read_model_tensors(directory: str | os.PathLike[str], *, verify: bool = True
     """The index and every model tensor of a checkpoint, whole, assembled from its shards
     on whatever grid wrote it (one process, no process group). Keys are the global
     parameter names; a packed dimension's blocks keep their ``#partK`` suffix (the
-    caller knows along which dimension they go). For exporters (paraxis-hf's
-    ``paraxis checkpoint export-hf``)."""
+    caller knows along which dimension they go). Parameters only: the ``buffer/``
+    tensors are left out. For exporters (paraxis-hf's ``paraxis checkpoint export-hf``)."""
     ckpt = resolve(directory)
     index = read_index(ckpt)
     reader = Reader(ckpt, index, verify=verify)

@@ -28,7 +28,8 @@ class TrainState(Protocol):
 
     @property
     def model(self) -> nn.Module:
-        """Parameters with placement records (:mod:`paraxis.parallel.placement`)."""
+        """Parameters with placement records (:mod:`paraxis.parallel.placement`), and
+        persistent buffers (:mod:`paraxis.checkpoint.buffers`)."""
         ...
 
     @property

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from paraxis.checkpoint.buffers import PREFIX, buffers_to_write
 from paraxis.checkpoint.files import file_digest
 from paraxis.checkpoint.format import (
     build_index,
@@ -102,6 +103,9 @@ def snapshot(state: TrainState) -> Snapshot:
                 # Not laid out like the parameter (AdamW's step): stored whole.
                 put(f"optim/{rec.name}/{k}", v, list(v.shape), [[0, n] for n in v.shape],
                     whole=True)
+    for rec, buf in buffers_to_write(state.model, state.grid.coords):
+        for suffix, view, shape, region in pieces(buf, rec):
+            put(f"{PREFIX}{rec.name}{suffix}", view, shape, region)
     rank = state.grid.rank
     for name, rng in rng_states(state).items():
         put(f"rng/rank{rank}/{name}", rng, [-1], [])
