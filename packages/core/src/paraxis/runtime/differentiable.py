@@ -119,7 +119,11 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: AxisGroup) -> torch.Tensor:
         ctx.dim, ctx.group, ctx.wire = dim, group, _wire_of(x)
-        return _on(ctx.wire, reduce_scatter_along, x, dim, group)
+        out = _on(ctx.wire, reduce_scatter_along, x, dim, group)
+        # A view of the buffer it was received in; a model that adds to it in place
+        # (Llama 4's MoE output) would modify a custom Function's view, which autograd
+        # forbids: hand out a tensor of its own.
+        return out.clone() if out._base is not None else out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
