@@ -16,12 +16,15 @@ SAMPLE = {
     "qwen2": "biases on q, k and v",
     "gpt_neox": "parallel attention and MLP, its own module names",
     "mixtral": "mixture of experts: experts kept whole under tensor parallelism, router "
-               "loss per microbatch under a pipeline",
+               "loss per microbatch under a pipeline, each tensor rank routing its "
+               "sequence shard under SP",
+    "deepseek_v3": "DeepSeek-V3 routing (sigmoid, correction bias, sequence-wise loss); "
+                   "a dense first layer, so a stage may hold no biased router",
 }
 # The columns this package answers for (expert and context belong to their axes).
 COLUMNS = (OWN_LOSS, "data=2", "tensor=2", "tensor=2 SP", "pipeline=2")
 # Cells refused at parallelize time, by design, with words the reason must hold.
-REFUSED = {("mixtral", "tensor=2 SP"): "mixture-of-experts block"}
+REFUSED = {("deepseek_v3", "tensor=2 SP"): "enters none of it"}
 
 
 @pytest.mark.parametrize("family", sorted(SAMPLE))
