@@ -134,14 +134,17 @@ def step_metrics(comm: CommStats, comm_mark: Any, *, step: int, loss: float, nor
         "lr": float(lr),
         "step_time_s": slowest,
         "tokens_per_s": tokens / slowest,
-        # Seconds this rank's training thread sat blocked in core's collectives
-        # (communication overlapped with compute costs nothing and is not counted).
+        # Seconds this rank sat blocked in core's collectives: the thread's wait on gloo,
+        # the compute stream's stall (CUDA events) on NCCL (runtime.collectives._Clock);
+        # communication overlapped with compute costs nothing and is not counted.
         "exposed_comm_s": comm.total_seconds(comm_mark),
         "straggler_spread_s": slowest - fastest,
         "comm_bytes": comm.total_bytes(comm_mark),
     }
     for axes, n in sorted(comm.bytes_by_axis(comm_mark).items()):
         out[f"comm/{axes}_bytes"] = n
+    for axes, n in sorted(comm.seconds_by_axis(comm_mark).items()):
+        out[f"comm/{axes}_exposed_s"] = n  # blocked time (a stream stall on NCCL)
     if peak_flops and flops_per_token:
         out["mfu"] = mfu(out["tokens_per_s"], flops_per_token, peak_flops, devices)
     return out

@@ -48,6 +48,39 @@ _gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_
 _scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class _Clock:
+    """The time a caller sits blocked on one collective. Where the CPU waits for the
+    transfer (gloo) that is its wall time. On a stream-ordered backend (NCCL) the call
+    returns at once and the *compute stream* waits instead, so wall time would read near
+    zero: there two CUDA events bracket the call (or ``wait()``) on the current stream
+    and their gap, read when the step's totals are (:meth:`CommStats.settle`), is the
+    stall. The CUDA path has not run here: no GPU was lent to this project's sessions."""
+
+    def __init__(self, group: AxisGroup):
+        self.group, self.start, self.events = group, time.perf_counter(), None
+        if _stream_ordered(group):
+            self.events = (torch.cuda.Event(enable_timing=True),
+                           torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
+
+    def stop(self, op: str) -> float:
+        """Seconds blocked (0 where the events will tell, later)."""
+        if self.events is None:
+            return time.perf_counter() - self.start
+        self.events[1].record()
+        stats = getattr(self.group, "stats", None)
+        if stats is not None:
+            stats.add_stream_wait(self.group.axes, op, *self.events)
+        return 0.0
+
+
+def _stream_ordered(group: AxisGroup) -> bool:
+    """Whether ``group``'s collectives order against CUDA streams (NCCL) rather than
+    block the calling thread (a CPU-only machine answers at the first test)."""
+    return (group.pg is not None and torch.cuda.is_available()
+            and dist.get_backend(group.pg) == "nccl")
+
+
 # ``parallelism.reduce_dtype`` -> what gradient reductions travel in (None: as held).
 WIRE_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
 
@@ -74,10 +107,10 @@ class Pending:
 
     def wait(self) -> Any:
         if self.work is not None:
-            start = time.perf_counter()
+            clock = _Clock(self.group)
             with guard(self.group, self.op):
                 self.work.wait()
-            _record(self.group, self.op, 0.0, time.perf_counter() - start)
+            _record(self.group, self.op, 0.0, clock.stop(self.op))
             self.work = None
         if self.finish is not None:
             self.finish()
@@ -109,11 +142,11 @@ def all_reduce_(t: torch.Tensor, group: AxisGroup, *, op: Any = None,
         return _narrow(all_reduce_(wire, group, op=op, async_op=async_op),
                        lambda: t.copy_(wire))
     kwargs = {} if op is None else {"op": op}
-    start = time.perf_counter()
+    clock = _Clock(group)
     with guard(group, "all_reduce"):
         work = dist.all_reduce(t, group=group.pg, async_op=async_op, **kwargs)
     _record(group, "all_reduce", _ring(t, group.size, 2.0),
-            0.0 if async_op else time.perf_counter() - start)
+            0.0 if async_op else clock.stop("all_reduce"))
     return Pending(work, group, "all_reduce") if async_op else None
 
 
@@ -130,11 +163,11 @@ def reduce_scatter_into(out: torch.Tensor, flat: torch.Tensor, group: AxisGroup,
         send = flat.to(wire_dtype)  # held by the closure until the reduction is done
         return _narrow(reduce_scatter_into(part, send, group, async_op=async_op),
                        lambda: (send, out.copy_(part)))
-    start = time.perf_counter()
+    clock = _Clock(group)
     with guard(group, "reduce_scatter"):
         work = _scatter_flat(out, flat, group=group.pg, async_op=async_op)
     _record(group, "reduce_scatter", _ring(flat, group.size),
-            0.0 if async_op else time.perf_counter() - start)
+            0.0 if async_op else clock.stop("reduce_scatter"))
     return Pending(work, group, "reduce_scatter") if async_op else None
 
 
@@ -144,11 +177,11 @@ def all_gather_into(out: torch.Tensor, part: torch.Tensor, group: AxisGroup, *,
     if group.size == 1:
         out.copy_(part)
         return Pending(None, group, "all_gather") if async_op else None
-    start = time.perf_counter()
+    clock = _Clock(group)
     with guard(group, "all_gather"):
         work = _gather_flat(out, part, group=group.pg, async_op=async_op)
     _record(group, "all_gather", _ring(out, group.size),
-            0.0 if async_op else time.perf_counter() - start)
+            0.0 if async_op else clock.stop("all_gather"))
     return Pending(work, group, "all_gather") if async_op else None
 
 
@@ -195,10 +228,10 @@ def summed(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
 def barrier(group: AxisGroup) -> None:
     """Wait for every rank of ``group`` (a dead one is named, not waited for forever)."""
     if group.size > 1:
-        start = time.perf_counter()
+        clock = _Clock(group)
         with guard(group, "barrier"):
             dist.barrier(group=group.pg)
-        _record(group, "barrier", 0.0, time.perf_counter() - start)
+        _record(group, "barrier", 0.0, clock.stop("barrier"))
 
 
 def all_gather_object(obj: Any, group: AxisGroup) -> list[Any]:
@@ -219,11 +252,12 @@ def exchange_rows(x: torch.Tensor, group: AxisGroup, send: Sequence[int],
     out = x.new_empty((sum(recv), *x.shape[1:]))
     row = x[0].numel() * x.element_size() if x.shape[0] else 0
     mine = send[group.rank]
-    start = time.perf_counter()
+    clock = _Clock(group)
     with guard(group, "all_to_all"):
         dist.all_to_all_single(out, x, output_split_sizes=list(recv),
                                input_split_sizes=list(send), group=group.pg)
-    _record(group, "all_to_all", float((sum(send) - mine) * row), time.perf_counter() - start)
+    _record(group, "all_to_all", float((sum(send) - mine) * row),
+            clock.stop("all_to_all"))
     return out
 
 
@@ -244,10 +278,10 @@ def all_to_all_dims(x: torch.Tensor, group: AxisGroup, scatter_dim: int,
     flat = x.reshape(*shape[:scatter_dim], n, *chunk[scatter_dim:]).movedim(
         scatter_dim, 0).contiguous()
     out = torch.empty_like(flat)
-    start = time.perf_counter()
+    clock = _Clock(group)
     with guard(group, "all_to_all"):
         dist.all_to_all_single(out, flat, group=group.pg)
-    _record(group, "all_to_all", _ring(flat, n), time.perf_counter() - start)
+    _record(group, "all_to_all", _ring(flat, n), clock.stop("all_to_all"))
     # out[j] is rank j's chunk for us, stacked along the gather dim in rank order: the
     # rank index put just before that dim and merged with it, a view when the dims
     # before it have size 1 (one sequence per rank); else one concatenation (faster
