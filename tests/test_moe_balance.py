@@ -13,11 +13,17 @@ experts in 2 groups, top-2 of the best group, sigmoid router with
   router (flattened tokens, bias on the block) gets it too; context 2, which splits its
   sequences over ranks, equals one process."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
+# The tiny MoE builders of paraxis-moe-ep's own tests (one definition); these tests need
+# the data, pipeline and context axes too, so they run with every package installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "moe-ep" / "tests"))
 from moe_tiny_models import build, plan_of
 
 import paraxis

@@ -9,11 +9,17 @@ after every step, bit-identical biases, and the same per-step losses at the shar
 tolerance. A resume that skips the buffers (the bug this guards against: the biases
 restart from zero) is run too, and must differ: the comparison sees the bug."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
+# The tiny MoE builders of paraxis-moe-ep's own tests (one definition); these tests need
+# the data, pipeline and context axes too, so they run with every package installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "moe-ep" / "tests"))
 from moe_tiny_models import build, plan_of
 
 import paraxis
