@@ -22,7 +22,11 @@ MIXTRAL = {**LLAMA, "model_type": "mixtral", "num_local_experts": 8, "num_expert
     (LLAMA, ["--data", "8", "--tensor", "2", "--zero", "3"]),
     (MIXTRAL, ["--data", "2", "--expert", "4", "--tensor", "2", "--pipeline", "2",
                "--zero", "1", "--sequence-parallel"]),
-], ids=["llama-d4t4p4-zero1-sp", "llama-d8t2-zero3", "mixtral-d2e4t2p2-zero1-sp"])
+    # One local expert over 2 data replicas: ZeRO's dim-0 chunks leave it whole on a rank.
+    (MIXTRAL, ["--data", "2", "--expert", "8", "--tensor", "2", "--zero", "1",
+               "--sequence-parallel"]),
+], ids=["llama-d4t4p4-zero1-sp", "llama-d8t2-zero3", "mixtral-d2e4t2p2-zero1-sp",
+        "mixtral-d2e8t2-zero1-sp"])
 def test_dry_run_bytes_agree_with_the_plan(tmp_path, capsys, model, layout):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(model))

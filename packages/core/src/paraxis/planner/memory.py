@@ -32,6 +32,7 @@ and fp32 logits, 4sbv/t (section 4.3).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,16 +59,25 @@ TERMS = ("parameters", "gradients", "optimizer", "activations", "buffers")
 
 def model_state_bytes(dense: float, expert: float = 0.0, *, zero: int, n_dense: int,
                       n_expert: int = 1, precision: str = "mixed",
-                      optimizer_bytes: float | None = None) -> tuple[float, ...]:
+                      optimizer_bytes: float | None = None,
+                      expert_rows: int | None = None) -> tuple[float, ...]:
     """(weights, gradients, optimizer) bytes of one rank holding ``dense`` and ``expert``
     parameters, ZeRO stage ``zero`` over ``n_dense`` / ``n_expert`` replicas
-    (``optimizer_bytes`` per parameter replaces Adam's K)."""
+    (``optimizer_bytes`` per parameter replaces Adam's K).
+
+    ZeRO shards each tensor along dim 0 in chunks of ``ceil(rows / n)`` rows (FSDP2's
+    rule, padding included); a fused expert tensor's dim 0 is the rank's local experts
+    (``expert_rows``), so with fewer local experts than replicas a rank keeps
+    ``ceil(rows / n) / rows`` of it, not ``1 / n`` (one local expert over 2 replicas:
+    all of it; found by ``paraxis plan --dry-run``)."""
     w, g, k = BYTES_PER_PARAM[precision]
     k = k if optimizer_bytes is None else optimizer_bytes
+    rows = expert_rows or n_expert
+    expert_share = math.ceil(rows / n_expert) / rows
 
     def held(stage: int) -> float:  # the rank's share once ZeRO stage `stage` shards it
         if zero >= stage:
-            return dense / n_dense + expert / n_expert
+            return dense / n_dense + expert * expert_share
         return dense + expert
 
     return w * held(3), g * held(2), k * held(1)
@@ -150,7 +160,8 @@ def rank_memory(counts: ModelCounts, layout: ParallelConfig, work: Workload,
     dense, expert = held_params(counts, layers, first, last, t, e, p)
     weights, grads, optim = model_state_bytes(
         dense, expert, zero=par.zero, n_dense=d * e * c, n_expert=d * c,
-        precision=work.precision, optimizer_bytes=work.optimizer_bytes)
+        precision=work.precision, optimizer_bytes=work.optimizer_bytes,
+        expert_rows=counts.num_experts // e if counts.num_experts else None)
 
     alive = alive_units(sched.pipeline_schedule, p, m, v, rank)
     acts = _activations(counts, layout, work, rank, alive)
