@@ -27,6 +27,7 @@ from torch import nn
 
 from paraxis.parallel.batch import Batch
 from paraxis.parallel.strategy import ApplyContext
+from paraxis.runtime.differentiable import autocast_dtype
 from paraxis.runtime.grid import AxisGroup
 from paraxis.runtime.liveness import guard
 from paraxis.runtime.world import device_for_rank
@@ -137,8 +138,7 @@ class PipelineRunner:
         # Under bf16/fp16 hidden states and their gradients cross stages in that dtype
         # (half the bytes; one rounding more, as the residual stream is fp32).
         with self.ctx.forward_context():
-            on = torch.is_autocast_enabled(self.device.type)
-            self._wire = torch.get_autocast_dtype(self.device.type) if on else torch.float32
+            self._wire = autocast_dtype(self.device.type) or torch.float32
         with torch.set_grad_enabled(train):
             for a in actions:
                 if a.kind == "F":

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from paraxis.runtime.differentiable import autocast_dtype
 from paraxis_seq.blockwise import (
     Block,
     block_backward,
@@ -203,8 +204,7 @@ class _RingAttention(torch.autograd.Function):
                 docs: torch.Tensor | None, group: Any, spec: tuple) -> torch.Tensor:
         # K/V travel in the autocast dtype under bf16/fp16, both ways (the forward's
         # block matmuls would cast them to it; the backward must see the same values).
-        kind = q.device.type
-        wire = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+        wire = autocast_dtype(q.device.type)
         out, lse = _forward(q, k, v, docs, group, spec, wire)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.docs, ctx.group, ctx.spec, ctx.wire = docs, group, spec, wire

@@ -47,6 +47,7 @@ __all__ = [
     "all_reduce",
     "all_to_all",
     "all_to_all_uneven",
+    "autocast_dtype",
     "copy_to",
     "reduce_from",
     "reduce_scatter",
@@ -54,13 +55,17 @@ __all__ = [
 ]
 
 
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast computes in on ``device_type`` now, or None when it is off:
+    what activations travel in (here, ring attention's K/V, a pipeline's hidden states)."""
+    return torch.get_autocast_dtype(device_type) \
+        if torch.is_autocast_enabled(device_type) else None
+
+
 def _wire_of(x: torch.Tensor) -> torch.dtype | None:
-    """The narrower dtype an fp32 activation travels in under autocast (its dtype), or
-    None: keep it as it is (fp32 training, integer counts, tensors already narrow)."""
-    kind = x.device.type
-    if x.dtype != torch.float32 or not torch.is_autocast_enabled(kind):
-        return None
-    return torch.get_autocast_dtype(kind)
+    """The narrower dtype an fp32 activation travels in under autocast, or None: keep it
+    as it is (fp32 training, integer counts, tensors already narrow)."""
+    return autocast_dtype(x.device.type) if x.dtype == torch.float32 else None
 
 
 def _on(wire: torch.dtype | None, fn: Any, x: torch.Tensor, *args: Any) -> torch.Tensor:
