@@ -58,7 +58,7 @@ class _Clock:
 
     def __init__(self, group: AxisGroup):
         self.group, self.start, self.events = group, time.perf_counter(), None
-        if _stream_ordered(group):
+        if group.stream_ordered:  # decided once, when the grid made the group
             self.events = (torch.cuda.Event(enable_timing=True),
                            torch.cuda.Event(enable_timing=True))
             self.events[0].record()
@@ -72,13 +72,6 @@ class _Clock:
         if stats is not None:
             stats.add_stream_wait(self.group.axes, op, *self.events)
         return 0.0
-
-
-def _stream_ordered(group: AxisGroup) -> bool:
-    """Whether ``group``'s collectives order against CUDA streams (NCCL) rather than
-    block the calling thread (a CPU-only machine answers at the first test)."""
-    return (group.pg is not None and torch.cuda.is_available()
-            and dist.get_backend(group.pg) == "nccl")
 
 
 # ``parallelism.reduce_dtype`` -> what gradient reductions travel in (None: as held).

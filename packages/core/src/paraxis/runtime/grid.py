@@ -230,7 +230,8 @@ def _new_group_of(members: list[list[int]], layout: GridLayout, rank: int,
             # group, in the same order, even the ones it is not in.
             pg = dist.new_group(ranks=ranks) if len(ranks) < layout.size else dist.group.WORLD
         if rank in ranks:
-            mine = AxisGroup(axes, tuple(ranks), ranks.index(rank), pg, comm)
+            nccl = pg is not None and dist.get_backend(pg) == "nccl"
+            mine = AxisGroup(axes, tuple(ranks), ranks.index(rank), pg, comm, nccl)
     return mine
 
 

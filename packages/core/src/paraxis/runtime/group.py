@@ -26,6 +26,9 @@ class AxisGroup:
     rank: int
     pg: Any = field(default=None, compare=False, repr=False)
     stats: Any = field(default=None, compare=False, repr=False)
+    # Its collectives order against CUDA streams (NCCL) instead of blocking the calling
+    # thread: blocked time is then read from CUDA events (collectives._Clock).
+    stream_ordered: bool = field(default=False, compare=False)
 
     @property
     def size(self) -> int:
