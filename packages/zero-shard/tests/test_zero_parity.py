@@ -42,6 +42,13 @@ def test_zero_matches_one_process(worlds, zero, data, microbatches):
     check(out, reference(worlds))
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_zero3_prefetch_depth_changes_no_number(worlds, prefetch):
+    out = worlds.run(2, run, {"data": 2, "zero": 3, "microbatches": 2,
+                              "zero_prefetch": prefetch})
+    check(out, reference(worlds))
+
+
 @pytest.mark.parametrize("zero", [1, 3])
 def test_zero_with_a_tied_embedding(worlds, zero):
     out = worlds.run(2, run, {"data": 2, "zero": zero}, True)

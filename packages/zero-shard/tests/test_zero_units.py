@@ -1,8 +1,9 @@
 """What ZeRO does between and within steps, on two real ranks: stage 3's units hold
-their shards between uses, prefetch the next unit both ways and reduce every unit from
-backward hooks; stage 2 reduce-scatters every bucket from hooks; each rank's optimizer
-holds only its shards."""
+their shards between uses, prefetch as many units as ``zero_prefetch`` says both ways
+and reduce every unit from backward hooks; stage 2 reduce-scatters every bucket from
+hooks; each rank's optimizer holds only its shards."""
 
+import pytest
 import torch
 from zero_tiny import CFG, TRAIN, build, train_steps
 
@@ -10,8 +11,9 @@ import paraxis
 from paraxis.parallel.placement import placement_of
 
 
-def stage3_run():
-    engine = paraxis.parallelize(build(), data=2, zero=3, train=TRAIN)
+def stage3_run(prefetch=1):
+    engine = paraxis.parallelize(build(), data=2, zero=3, zero_prefetch=prefetch,
+                                 train=TRAIN)
     sync = engine.ctx.extras["zero"]
     names = [u.name for u in sync.units]
     seen = {}
@@ -19,11 +21,12 @@ def stage3_run():
     unit = {u.name: u for u in sync.units}
 
     def during_forward(module, args):
-        seen["forward: layer1 while layer0 runs"] = unit["layer1"].state
+        seen["forward, while layer0 runs"] = (unit["layer1"].state, unit["head"].state)
 
     def after_forward(module, args, out):
         def in_backward(_):
-            seen["backward: layer0 while layer1 runs"] = unit["layer0"].state
+            seen["backward, while layer1 runs"] = (unit["layer0"].state,
+                                                   unit["embedding"].state)
         torch.autograd.graph.register_multi_grad_hook([out], in_backward, mode="any")
 
     layer0.register_forward_pre_hook(during_forward)
@@ -45,11 +48,17 @@ def stage3_run():
     return names, seen, launched, moved, shapes, freed, owned, total
 
 
-def test_stage3_units_shards_prefetch_and_hooks(worlds):
-    names, seen, launched, moved, shapes, freed, owned, total = worlds.run(2, stage3_run)[0]
+AHEAD = {0: ("sharded", "sharded"), 1: ("gathering", "sharded"),
+         2: ("gathering", "gathering")}  # the next unit, the one after it
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_stage3_units_shards_prefetch_and_hooks(worlds, prefetch):
+    names, seen, launched, moved, shapes, freed, owned, total = worlds.run(
+        2, stage3_run, prefetch)[0]
     assert names == ["embedding", "layer0", "layer1", "head"]
-    assert seen == {"forward: layer1 while layer0 runs": "gathering",
-                    "backward: layer0 while layer1 runs": "gathering"}
+    assert seen == {"forward, while layer0 runs": AHEAD[prefetch],
+                    "backward, while layer1 runs": AHEAD[prefetch]}
     assert launched == [4, 4]  # every unit's reduce-scatter started from a hook
     # each unit gathered for forward and again for backward, reduced once
     assert moved["all_gather"] == 2 * moved["reduce_scatter"] > 0

@@ -5,11 +5,16 @@ Units (:func:`~paraxis_zero.units.find_units`): the embedding, each layer, the h
 forward order, and a root unit for sharded parameters two units share. Hooks on each
 unit's module, in the spirit of FSDP2 (Zhao et al., arXiv:2304.11277):
 
-* forward pre-hook: gather the unit (wait for its prefetch) and start the next unit's
-  all-gather, so it overlaps this unit's compute;
+* forward pre-hook: gather the unit (wait for its prefetch) and start the all-gathers
+  of the next ``prefetch`` units (``parallelism.zero_prefetch``, default 1), so they
+  overlap this unit's compute;
 * forward post-hook: reshard (free the full parameters) and register a hook on the
   outputs' gradients (``register_multi_grad_hook``) that gathers the unit again just
-  before its backward and starts the previous unit's all-gather;
+  before its backward and starts the all-gathers of the ``prefetch`` units before it;
+
+Prefetch depth k holds up to k + 1 units whole at once (FSDP2 sets the same with
+``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``); 0 gathers each unit
+only when it runs, so every all-gather is exposed.
 * post-accumulate-grad hooks: when every parameter of the unit has its gradient, copy
   them rank-major, free them, reshard, and reduce-scatter in a fixed unit order (the
   reverse of forward), asynchronously, so ranks never disagree on the next collective.
@@ -60,7 +65,7 @@ class ShardedParameters:
     order = SyncOrder.DATA
 
     def __init__(self, model: nn.Module, *, grid: Grid, plan: ModelPlan | None,
-                 bucket_bytes: int, whole_below: int = WHOLE_BELOW, prefetch: bool = True,
+                 bucket_bytes: int, whole_below: int = WHOLE_BELOW, prefetch: int = 1,
                  wire_dtype: torch.dtype | None = None):
         self.grid, self.prefetch, self._sync = grid, prefetch, True
         params = [p for p in model.parameters() if p.requires_grad]
@@ -95,17 +100,24 @@ class ShardedParameters:
 
     # ---- forward ----------------------------------------------------------------------
 
-    def _neighbour(self, unit: ShardedUnit, step: int) -> ShardedUnit | None:
-        i = self.units.index(unit) + step
-        return self.units[i] if 0 <= i < len(self.units) and self.prefetch else None
+    def _prefetch(self, unit: ShardedUnit, direction: int, *, itself: bool = False) -> None:
+        """Start the all-gathers of the ``prefetch`` units after ``unit`` (direction 1,
+        forward) or before it (-1, backward), counting ``unit`` itself first when
+        ``itself``; a root unit stops the walk (it stays gathered through its chunk)."""
+        i, first = self.units.index(unit), 0 if itself else 1
+        for k in range(first, first + self.prefetch):
+            j = i + direction * k
+            if not 0 <= j < len(self.units) or self.units[j].name == "root":
+                return
+            self.units[j].start_gather()
 
     def _hook_root(self, chunk: nn.Module, root: ShardedUnit | None,
                    first: ShardedUnit | None) -> None:
         def pre(module: nn.Module, args: Any) -> None:
             if root is not None:
                 root.gather()
-            if first is not None and self.prefetch:
-                first.start_gather()
+            if first is not None:
+                self._prefetch(first, 1, itself=True)
 
         def post(module: nn.Module, args: Any, output: Any) -> None:
             if root is not None and not torch.is_grad_enabled():
@@ -117,9 +129,7 @@ class ShardedParameters:
     def _hook(self, unit: ShardedUnit) -> None:
         def pre(module: nn.Module, args: Any) -> None:
             unit.gather()
-            nxt = self._neighbour(unit, 1)
-            if nxt is not None:
-                nxt.start_gather()
+            self._prefetch(unit, 1)
 
         def post(module: nn.Module, args: Any, output: Any) -> None:
             if torch.is_grad_enabled():
@@ -138,9 +148,7 @@ class ShardedParameters:
 
     def _pre_backward(self, unit: ShardedUnit) -> None:
         unit.gather()
-        prev = self._neighbour(unit, -1)
-        if prev is not None and prev.name != "root":
-            prev.start_gather()
+        self._prefetch(unit, -1)
 
     def _on_grad(self, param: nn.Parameter) -> None:
         unit = self._unit_of[param]

@@ -59,7 +59,8 @@ class ZeroStrategy(Strategy):
         if par.zero == 3:
             plan = ctx.plan if isinstance(ctx.plan, ModelPlan) else None
             self.sync = ShardedParameters(model, grid=ctx.grid, plan=plan,
-                                          bucket_bytes=bucket_bytes, wire_dtype=wire)
+                                          bucket_bytes=bucket_bytes, wire_dtype=wire,
+                                          prefetch=par.zero_prefetch)
         else:
             self.sync = ShardedOptimizerSync(model, grid=ctx.grid, stage=par.zero,
                                              bucket_bytes=bucket_bytes, wire_dtype=wire)

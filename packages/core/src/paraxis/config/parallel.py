@@ -83,6 +83,9 @@ class Parallelism(_Section):
     # How the context axis splits attention: ring (K/V circulate) or Ulysses (heads).
     context_mode: Literal["ring", "ulysses"] = "ring"
     bucket_mb: float = Field(default=25.0, gt=0)
+    # ZeRO-3: units (layers) gathered ahead of the running one in forward and behind it
+    # in backward; 0 gathers each unit only when it runs. Each adds a unit's bytes.
+    zero_prefetch: int = Field(default=1, ge=0)
     # The dtype gradients travel in on the data and ZeRO reductions: fp32 (gradients
     # are fp32 under every precision, see train.precision), or bf16 to halve the bytes
     # (each rank's gradient rounded to bf16 before the sum, the sum rounded once more).

@@ -214,7 +214,7 @@ def _activations(counts: ModelCounts, layout: ParallelConfig, work: Workload, ra
 def _buffers(counts: ModelCounts, layout: ParallelConfig, work: Workload,
              layers: list[LayerCount]) -> tuple[float, dict[str, Any]]:
     """Data-parallel bucket (zero 0-2), ZeRO-3's gathered layers (the one running and the
-    one prefetched), pipeline receive buffers (an activation and a gradient)."""
+    ``zero_prefetch`` prefetched), pipeline receive buffers (an activation and a gradient)."""
     par = layout.parallelism
     t, e = par.tensor, par.expert
     w = BYTES_PER_PARAM[work.precision][0]
@@ -226,7 +226,7 @@ def _buffers(counts: ModelCounts, layout: ParallelConfig, work: Workload,
             out["data_bucket"] = min(par.bucket_mb * MiB, held * grad)
         elif layers:
             unit = max(c.matrices / t + c.vectors + c.experts / e for c in layers)
-            out["zero3_gathered"] = 2 * unit * w
+            out["zero3_gathered"] = (1 + par.zero_prefetch) * unit * w
     if par.pipeline > 1:
         shard = t if par.sequence_parallel else 1
         out["pipeline_recv"] = 2 * work.micro_batch * work.seq * counts.hidden_size \
