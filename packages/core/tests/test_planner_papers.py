@@ -113,29 +113,3 @@ def test_interleaving_scales_first_stage_activations_by_1_plus_p_minus_1_over_pv
     ratio = (rank_memory(counts, inter, work, 0).activations
              / rank_memory(counts, plain, work, 0).activations)
     assert ratio == pytest.approx(1 + 7 / (8 * 2), rel=1e-9)
-
-
-# Narayanan et al. (arXiv:2104.04473): parameter counts of their GPT models, V = 51,200,
-# s = 2048, from P = 12lh²(1 + 13/(12h) + (V+s)/(12lh)). Table 1 rows 1.7B and 1008.0B;
-# the 174.6B GPT-3 of Table 2. Counted exactly on a meta-device GPT-2 of that shape.
-NARAYANAN = [  # (billions as printed, heads, hidden, layers)
-    (1.7, 24, 2304, 24),
-    (174.6, 96, 12288, 96),
-    (1008.0, 160, 25600, 128),
-]
-
-
-@pytest.mark.parametrize(("billions", "heads", "hidden", "layers"), NARAYANAN)
-def test_parameter_counts_match_narayanan(billions, heads, hidden, layers):
-    pytest.importorskip("paraxis_hf")
-    from paraxis import make_plugin_manager
-    from paraxis.planner.model import ModelSource, build_on_meta, count_model
-
-    source = ModelSource("gpt2", {"n_embd": hidden, "n_layer": layers, "n_head": heads,
-                                  "vocab_size": 51200, "n_positions": 2048}, "test", {})
-    counts = count_model(build_on_meta(source, make_plugin_manager()), "gpt2")
-    assert close(counts.total / 1e9, billions, 0.1), counts.total
-    assert counts.tied and counts.head == 0  # the tied head is counted once
-    # The formula expanded in integers: 12lh² + 13lh + (V + s)h.
-    formula = 12 * layers * hidden**2 + 13 * layers * hidden + (51200 + 2048) * hidden
-    assert counts.total - formula == 2 * hidden  # GPT-2's final norm, all else identical

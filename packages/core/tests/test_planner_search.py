@@ -75,15 +75,6 @@ def test_why_slower_names_the_biggest_cause():
     assert why_slower(fast, fast) == "same time, more moving parts"
 
 
-def test_evaluate_problems_come_from_validation():
-    pytest.importorskip("paraxis_tp")  # the tensor axis' rules live in its package
-    layout = make_layout({"tensor": 3}, {}, WORK)
-    fields = {p.field for p in problems(llama7b(), layout, WORK, world_size=3)}
-    assert {"model.hidden_size", "model.num_attention_heads"} <= fields
-    layout = make_layout({"data": 3}, {}, WORK)
-    assert [p.field for p in problems(llama7b(), layout, WORK)] == ["global_batch"]
-
-
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble_h1"])
 def test_first_stage_is_the_most_loaded_under_pipelines(schedule):
     layout = make_layout({"pipeline": 4}, {"pipeline_schedule": schedule}, WORK)
