@@ -34,7 +34,7 @@ from torch import nn
 from paraxis.parallel.buckets import FlatBucket, MiB, adopt_grad, assign_buckets
 from paraxis.parallel.strategy import SyncOrder
 from paraxis.runtime.collectives import all_reduce_
-from paraxis.runtime.grid import Grid
+from paraxis.runtime.grid import DENSE_REPLICA_AXES, Grid
 
 __all__ = ["DataParallel"]
 
@@ -87,7 +87,7 @@ class DataParallel:
         for b in self.buckets:
             if b.group.size > 1:
                 by_group.setdefault(b.group.axes, []).extend(b.params)
-        dense = self.grid.group(("data", "expert", "context"))
+        dense = self.grid.group(DENSE_REPLICA_AXES)
         if dense.size > 1:
             by_group.setdefault(dense.axes, []).extend(self.module.buffers())
         for axes, tensors in by_group.items():

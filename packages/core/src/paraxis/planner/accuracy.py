@@ -16,11 +16,14 @@ busiest rank per axis are compared with the plan, within :data:`BOUND`.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from paraxis.config.parallel import SAMPLE_AXES
 
 __all__ = ["BOUND", "CASES", "Case", "measure", "planned"]
 
@@ -146,7 +149,7 @@ def planned(case: Case) -> Any:
 
     source = ModelSource(case.family, dict(case.overrides), f"case {case.name}", {})
     counts = count_model(build_on_meta(source, make_plugin_manager()), case.family, case.seq)
-    replicas = case.degrees.get("data", 1) * case.degrees.get("expert", 1)
+    replicas = math.prod(case.degrees.get(a, 1) for a in SAMPLE_AXES)
     train = TrainSection(**case.train)
     work = Workload(seq=case.seq, global_batch=case.batch, precision=train.precision,
                     micro_batch=case.batch // (replicas * case.microbatches),

@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from paraxis.config.parallel import AXES, ParallelConfig
+from paraxis.config.parallel import AXES, TOKEN_AXES, ParallelConfig
 from paraxis.planner.inputs import Workload
 from paraxis.planner.memory import BYTES_PER_PARAM
 from paraxis.planner.model import ModelCounts
@@ -87,7 +87,7 @@ def communication(counts: ModelCounts, layout: ParallelConfig, work: Workload, *
     """Per active axis, bytes the most loaded rank sends per step; ``*_grad_params`` are
     the parameters whose gradients that rank holds before any ZeRO sharding."""
     par, sched = layout.parallelism, layout.schedule
-    t, p, e, c, d = par.tensor, par.pipeline, par.expert, par.context, par.data
+    t, p, e, c = par.tensor, par.pipeline, par.expert, par.context
     m, v, el = sched.microbatches, sched.virtual_stages, work.element_size
     deg = layout.degrees
     b, s, h = work.micro_batch, work.seq, counts.hidden_size
@@ -100,9 +100,9 @@ def communication(counts: ModelCounts, layout: ParallelConfig, work: Workload, *
         return link_of(deg, axes, gpus_per_node)
 
     out: list[AxisComm] = []
-    if d * e * c > 1:
+    if layout.token_replicas > 1:
         out.append(_data(layout, work, dense_grad_params, expert_grad_params,
-                         link("data", "expert", "context")))
+                         link(*TOKEN_AXES)))
     if t > 1:
         replays = {"none": 0, "selective": 1, "full": 2}[sched.activation_checkpointing]
         volume = max(_tensor_stage(counts, layout, work, r, layer_ids)

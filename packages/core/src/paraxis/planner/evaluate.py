@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from paraxis.config.errors import Problem
-from paraxis.config.parallel import AXES, ParallelConfig
+from paraxis.config.parallel import AXES, SAMPLE_AXES, ParallelConfig
 from paraxis.config.rules import check
 from paraxis.planner.comm import AxisComm, communication
 from paraxis.planner.inputs import DEFAULT_HARDWARE, Hardware, Workload
@@ -33,7 +33,7 @@ def make_layout(degrees: dict[str, int], options: dict[str, Any], work: Workload
                 bucket_mb: float = 25.0) -> ParallelConfig:
     """The run's config: ``degrees`` and ``options``, with as many microbatches as the
     global batch gives each data x expert replica (at least 1)."""
-    replicas = degrees.get("data", 1) * degrees.get("expert", 1) * work.micro_batch
+    replicas = math.prod(degrees.get(a, 1) for a in SAMPLE_AXES) * work.micro_batch
     m = max(1, work.global_batch // replicas)
     return ParallelConfig.from_kwargs(**{a: degrees.get(a, 1) for a in AXES}, **options,
                                       microbatches=m, bucket_mb=bucket_mb)

@@ -152,14 +152,15 @@ def rank_memory(counts: ModelCounts, layout: ParallelConfig, work: Workload,
                 rank: int = 0) -> Memory:
     """Bytes on pipeline rank ``rank`` (0 is the first stage)."""
     par, sched = layout.parallelism, layout.schedule
-    t, p, e, c, d = par.tensor, par.pipeline, par.expert, par.context, par.data
+    t, p, e = par.tensor, par.pipeline, par.expert
     v, m = sched.virtual_stages, sched.microbatches
     chunks = layout_chunks(counts, layout)[rank]
     layers = rank_layers(counts, layout, rank)
     first, last = rank == 0, rank == p - 1
     dense, expert = held_params(counts, layers, first, last, t, e, p)
     weights, grads, optim = model_state_bytes(
-        dense, expert, zero=par.zero, n_dense=d * e * c, n_expert=d * c,
+        dense, expert, zero=par.zero, n_dense=layout.token_replicas,
+        n_expert=layout.token_replicas // e,
         precision=work.precision, optimizer_bytes=work.optimizer_bytes,
         expert_rows=counts.num_experts // e if counts.num_experts else None)
 
