@@ -1,9 +1,15 @@
 """The tiny sizes every family is shrunk to, and the spellings families use for them
-(data for :mod:`paraxis_hf.shrink`, which holds the rules)."""
+(data for :mod:`paraxis_hf.shrink`, which holds the rules).
+
+Where core reads a size (:data:`paraxis.config.SIZE_SPELLINGS`, the one list of the
+spellings of the sizes core reads), a role starts from core's spellings and adds the
+rarer ones only the shrinker meets: a spelling core learns is shrunk too."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from paraxis.config.shape import SIZE_SPELLINGS
 
 __all__ = [
     "EXPERTS", "FIXED", "FORCED", "HEADS", "HEAD_DIM", "HIDDEN", "KV_HEADS", "LAYERS",
@@ -18,33 +24,39 @@ VOCAB = 256
 SEQ = 16  # the test sequence length: sliding windows of 8 are exercised at it
 WINDOW = SEQ // 2
 
+
+def _spelled(size: str, *more: str) -> tuple[str, ...]:
+    """Core's spellings of ``size``, then ``more``, each once."""
+    return tuple(dict.fromkeys(SIZE_SPELLINGS[size] + more))
+
+
 # role -> (tiny value, the spellings families use). A value is an int, or a function of
 # the family's own value for roles that keep something of it.
 ROLES: dict[str, tuple[Any, tuple[str, ...]]] = {
-    "hidden": (HIDDEN, (
-        "hidden_size", "n_embd", "d_model", "emb_dim", "embedding_dim", "dim_model",
+    "hidden": (HIDDEN, _spelled(
+        "hidden_size", "emb_dim", "embedding_dim", "dim_model",
         "word_embed_proj_dim", "embedding_size", "input_embedding_size",
         "output_embedding_size", "backbone_hidden_size", "lru_width", "attention_hidden_size",
         "mamba_d_ssm", "hidden_size_global")),
-    "intermediate": (2 * HIDDEN, (
-        "intermediate_size", "ffn_dim", "n_inner", "d_inner", "dff", "dim_ff",
+    "intermediate": (2 * HIDDEN, _spelled(
+        "intermediate_size", "ffn_dim", "d_inner", "dff", "dim_ff",
         "decoder_ffn_dim", "encoder_ffn_dim", "ffn_hidden_size", "feed_forward_size",
         "intermediate_size_mlp", "dense_intermediate_size")),
     "expert_intermediate": (HIDDEN // 2, (
         "moe_intermediate_size", "expert_ffn_hidden_size", "shared_expert_intermediate_size",
         "shared_experts_intermediate_size", "moe_shared_expert_intermediate_size",
         "shared_intermediate_size")),
-    "layers": (LAYERS, (
-        "num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers",
+    "layers": (LAYERS, _spelled(
+        "num_layers", "n_layers", "decoder_layers",
         "encoder_layers", "num_decoder_layers", "num_encoder_layers", "num_blocks",
         "num_layers_per_stack")),
-    "heads": (HEADS, (
-        "num_attention_heads", "n_head", "n_heads", "num_heads", "attention_heads",
+    "heads": (HEADS, _spelled(
+        "num_attention_heads", "n_heads", "attention_heads",
         "decoder_attention_heads", "encoder_attention_heads", "num_decoder_attention_heads",
         "num_encoder_attention_heads", "swa_num_attention_heads", "linear_num_heads",
         "index_n_heads", "mamba_n_heads", "mamba_num_heads", "n_mamba_heads",
         "num_attention_heads_per_layer", "linear_num_value_heads", "heads_per_ngram")),
-    "kv_heads": (KV_HEADS, (
+    "kv_heads": (KV_HEADS, _spelled(
         "num_key_value_heads", "num_kv_heads", "swa_num_key_value_heads", "num_query_groups",
         "linear_num_key_heads")),
     "head_dim": (HEAD_DIM, (
@@ -63,10 +75,8 @@ ROLES: dict[str, tuple[Any, tuple[str, ...]]] = {
         "hidden_size_per_layer_input", "ple_embed_dim", "router_hidden_size",
         "ssm_state_size", "state_size", "mamba_d_state", "pronunciation_embed_dim",
         "shape_embed_dim")),
-    "experts": (EXPERTS, (
-        "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")),
-    "top_k": (TOP_K, (
-        "num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_topk", "moe_top_k")),
+    "experts": (EXPERTS, _spelled("num_experts", "moe_num_experts")),
+    "top_k": (TOP_K, _spelled("experts_per_token", "moe_k")),
     "groups": (1, ("n_group", "topk_group", "num_expert_group", "n_groups", "mamba_n_groups",
                    "mamba_ngroups", "o_groups")),
     "shared_experts": (lambda v: min(v, 1), (
@@ -80,12 +90,12 @@ ROLES: dict[str, tuple[Any, tuple[str, ...]]] = {
         "no_rope_layer_interval", "attn_layer_period", "expert_layer_period",
         "layer_group_size", "interleave_moe_layer_step",
         "moe_layer_interval", "prefix_dense_sliding_window_pattern", "decoder_sparse_step")),
-    "vocab": (VOCAB, (
+    "vocab": (VOCAB, _spelled(
         "vocab_size", "decoder_vocab_size", "vocab_size_per_layer_input",
         "unpadded_vocab_size", "ngram_vocab_size_base", "encoder_hash_byte_group_vocab",
         "pronunciation_vocab_size", "shape_vocab_size")),
-    "positions": (8 * SEQ, (
-        "max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "context_length",
+    "positions": (8 * SEQ, _spelled(
+        "seq_length", "n_ctx", "max_seq_len", "context_length",
         "max_target_positions", "max_source_positions", "position_bias_max_distance",
         "model_max_length")),
     "window": (WINDOW, (

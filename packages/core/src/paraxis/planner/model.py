@@ -27,7 +27,7 @@ import torch
 import yaml
 from torch import nn
 
-from paraxis.config.shape import ModelShape
+from paraxis.config.shape import ModelShape, config_size
 from paraxis.engine.metrics import non_embedding_params
 from paraxis.planner.units import PlanInputError, fmt_count
 
@@ -272,8 +272,7 @@ def _with_shape(model: nn.Module, family: str, seq: int | None, **counts: Any) -
         head_dim=first("head_dim", default=hidden // heads),
         vocab_size=shape.vocab_size, intermediate_size=shape.intermediate_size,
         num_experts=experts,
-        top_k=first("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k",
-                    default=1) if experts else 1,
-        max_seq=first("max_position_embeddings", "n_positions", "seq_length"),
+        top_k=config_size(cfg, "experts_per_token", 1) if experts else 1,
+        max_seq=config_size(cfg, "seq_length"),
         expert_intermediate=first("moe_intermediate_size") if experts else None,
         **counts)
