@@ -21,6 +21,23 @@ def llama7b() -> ModelCounts:
 WORK = Workload(seq=2048, global_batch=64, micro_batch=1)
 
 
+def test_the_ranking_stars_layouts_whose_rules_went_unchecked():
+    """With no axis package registered, every ranked layout needs an axis whose rules
+    nobody checked: each row is starred and one line below the table names the axes
+    and the packages to install."""
+    from paraxis.engine.plugins import make_plugin_manager
+    from paraxis.planner.report import format_ranking
+
+    hw = Hardware(gpus_per_node=8, device_memory=40e9)
+    ranking = search(llama7b(), WORK, hw, world=16, fixed={}, options={},
+                     plugin_manager=make_plugin_manager(load_entrypoints=False))
+    table = format_ranking(ranking, world=16, top=3, hw=hw).splitlines()
+    rows = table[2:5]
+    assert all(row.rstrip().endswith("*") or " * " in row for row in rows), rows
+    assert table[5].startswith("* the rules of ") and "were not checked" in table[5]
+    assert "(pip install paraxis-" in table[5]
+
+
 def test_grids_are_every_factorization_with_fixed_degrees_kept():
     assert len(list(grids(8, {}))) == 35  # three factors of 2 over five axes: C(7, 4)
     assert len(list(grids(8, {}, experts=False))) == 20

@@ -60,3 +60,28 @@ def test_tiny_pipeline_matches_one_process(worlds, reference, options):
     for losses, *_ in out:
         assert_losses_close(losses, ref_losses)
     assert_same_weights([s for _, s, _ in out], ref_shards, lr=LR, steps=STEPS)
+
+
+def summarize(_):
+    """The run's end as the trainer asks for it: the axes' ``paraxis_summarize_run``."""
+    torch.manual_seed(0)
+    engine = paraxis.parallelize(TinyTransformer(CFG), pipeline=2, microbatches=4,
+                                 train={"steps": 2, "lr": LR, "seq_length": CFG.seq_length})
+    engine.train_step(torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_length)))
+    reports = [r for r in paraxis.make_plugin_manager().hook.paraxis_summarize_run(
+        ctx=engine.ctx, history=[]) if r is not None]
+    engine.close()
+    return [(r.figures, r.text) for r in reports]
+
+
+def test_the_run_summary_has_the_measured_timeline(worlds):
+    """pp-schedules' ``paraxis_summarize_run`` gives the trainer the last step's measured
+    timeline (an SVG with a row per stage) and its bubble against theory, on every
+    stage (the hook is collective over the pipeline group)."""
+    for reports in worlds.run(2, summarize, None):
+        ((figures, text),) = reports
+        ((name, svg),) = figures
+        assert name == "pipeline_timeline" and svg.lstrip().startswith("<svg")
+        assert "stage 0" in text[0] and "stage 1" in text[0]
+        assert text[0].startswith("pipeline 1f1b: measured bubble 0.")
+        assert "theory 0.200 (p=2, m=4, v=1)" in text[0]

@@ -8,6 +8,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+from paraxis.parallel.metric_names import moe_total
 from paraxis_wandb.moe import heatmap_svg, split_moe_arrays, table_rows
 
 __all__ = ["WandbLogger"]
@@ -90,8 +91,8 @@ class WandbLogger:
         import wandb
 
         columns, rows = table_rows(arrays)
-        return {"moe/experts": wandb.Table(columns=columns, data=rows),
-                "moe/load_heatmap": wandb.Html(heatmap_svg(
+        return {moe_total("experts"): wandb.Table(columns=columns, data=rows),
+                moe_total("load_heatmap"): wandb.Html(heatmap_svg(
                     arrays, title=f"step {step}: tokens assigned"))}
 
     def figure(self, name: str, svg: str, step: int) -> None:

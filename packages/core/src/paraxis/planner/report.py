@@ -126,15 +126,22 @@ def format_ranking(r: Ranking, *, world: int, top: int, hw: Hardware) -> str:
              f"{'zero':>4} {'sp':>3} {'recompute':<9} {'memory':>10} {'step':>9} "
              f"{'MFU':>6}  why slower than #1"]
     best = r.plans[0]
+    unchecked: set[str] = set()
     for i, plan in enumerate(r.plans[:top], start=1):
         d, par = plan.layout.degrees, plan.layout.parallelism
         why = "" if i == 1 else why_slower(plan, best)
+        if plan.unchecked:  # a star: rules of an axis not installed went unchecked
+            why = f"* {why}".rstrip()
+            unchecked.update(plan.unchecked)
         lines.append(
             f"  {i:>2} {d['data']:>4} {d['tensor']:>6} {d['pipeline']:>4} {d['expert']:>6} "
             f"{d['context']:>3} {par.zero:>4} {'yes' if par.sequence_parallel else 'no':>3} "
             f"{plan.layout.schedule.activation_checkpointing:<9} "
             f"{fmt_bytes(plan.worst.total):>10} {fmt_seconds(plan.step.step_s):>9} "
             f"{plan.step.mfu:>6.1%}  {why}".rstrip())
+    if unchecked:
+        lines.append("* " + _unchecked_line(tuple(sorted(unchecked))).removeprefix(
+            "unchecked  "))
     lines.append(seed_sentence(r))
     return "\n".join(lines)
 
