@@ -18,6 +18,7 @@ from paraxis.testing.parity import (
 )
 from paraxis.testing.tolerance import assert_losses_close
 from paraxis_hf import build_debug_model
+from paraxis_tp.rules import check_tensor
 from paraxis_tp.strategy import overlap_wanted
 
 LR = 1e-3
@@ -69,3 +70,15 @@ def test_auto_is_on_only_where_transfers_overlap():
     nccl = AxisGroup(axes=("tensor",), ranks=(0, 1), rank=0, stream_ordered=True)
     assert not overlap_wanted("auto", gloo) and overlap_wanted("auto", nccl)
     assert overlap_wanted("on", gloo) and not overlap_wanted("off", nccl)
+
+
+@pytest.mark.parametrize(("options", "reason"), [
+    ({"tensor": 2}, "without sequence_parallel"),
+    ({"tensor": 2, "pipeline": 2, "sequence_parallel": True,
+      "pipeline_schedule": "zero_bubble_h1", "microbatches": 2}, "zero_bubble_h1"),
+])
+def test_overlap_on_is_refused_where_it_cannot_apply(options, reason):
+    problems = check_tensor(ParallelConfig.from_kwargs(**options, tensor_overlap="on"), None)
+    assert [p.field for p in problems] == ["parallelism.tensor_overlap"]
+    assert reason in str(problems[0])
+    assert not check_tensor(ParallelConfig.from_kwargs(**options), None)  # auto

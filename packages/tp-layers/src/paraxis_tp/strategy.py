@@ -119,7 +119,11 @@ class TensorParallelStrategy(Strategy):
         plan.require("tensor")
         group = ctx.grid.group("tensor")
         sp = ctx.config.parallelism.sequence_parallel
-        overlap = sp and overlap_wanted(ctx.config.parallelism.tensor_overlap, group)
+        # zero_bubble_h1's split backward would run a fused node in both passes (rules.py)
+        split_backward = ctx.config.parallelism.pipeline > 1 and \
+            ctx.config.schedule.pipeline_schedule == "zero_bubble_h1"
+        overlap = sp and not split_backward and overlap_wanted(
+            ctx.config.parallelism.tensor_overlap, group)
         device = next(model.parameters()).device
         if device.type == "meta":  # weights read after the partition (from_pretrained)
             device = device_for_rank()
