@@ -65,6 +65,7 @@ def test_pipeline_schedules_match_one_process(worlds, pipeline, schedule, chunks
     {"pipeline": 2, "data": 2},
     {"pipeline": 2, "tensor": 2},
     {"pipeline": 2, "tensor": 2, "sequence_parallel": True},
+    {"pipeline": 2, "tensor": 2, "sequence_parallel": True, "tensor_overlap": "on"},
     {"pipeline": 2, "tensor": 2, "data": 2},
 ], ids=lambda d: "x".join(f"{k}{v}" for k, v in d.items()))
 def test_pipeline_composes(worlds, degrees):

@@ -33,6 +33,7 @@ LAYOUTS = {
     "zero2": ({"data": 2}, {"zero": 2}),
     "zero3": ({"data": 2}, {"zero": 3}),
     "tensor2_sp": ({"tensor": 2}, {"sequence_parallel": True}),
+    "tensor2_sp_overlap": ({"tensor": 2}, {"sequence_parallel": True, "tensor_overlap": "on"}),
     "pipeline2": ({"pipeline": 2}, {"microbatches": 2}),
     "context2": ({"context": 2}, {}),
 }

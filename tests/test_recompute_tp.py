@@ -14,9 +14,9 @@ from paraxis_hf import build_debug_model
 STEPS, BATCH, SEQ = 4, 2, 16
 
 
-def run(mode, dropout):
+def run(mode, dropout, overlap="off"):
     config = ParallelConfig.from_kwargs(tensor=dist.get_world_size(), sequence_parallel=True,
-                                        activation_checkpointing=mode)
+                                        activation_checkpointing=mode, tensor_overlap=overlap)
     engine = paraxis.parallelize(build_debug_model("llama", attention_dropout=dropout),
                                  config=config, train={"steps": STEPS, "lr": 1e-3,
                                                        "warmup_steps": 1, "seq_length": SEQ})
@@ -31,10 +31,12 @@ def run(mode, dropout):
     return losses, shards, len(calls)
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
-def test_recomputation_replays_tensor_parallel_dropout(worlds, mode):
-    base = worlds.run(2, run, "none", 0.2)
-    again = worlds.run(2, run, mode, 0.2)
+@pytest.mark.parametrize(("mode", "overlap"), [("full", "off"), ("selective", "off"),
+                                             ("full", "on")])
+def test_recomputation_replays_tensor_parallel_dropout(worlds, mode, overlap):
+    # overlap on: the fused entry (paraxis_tp.overlap) runs again in the recomputation
+    base = worlds.run(2, run, "none", 0.2, overlap)
+    again = worlds.run(2, run, mode, 0.2, overlap)
     for (b_losses, b_shards, b_calls), (a_losses, a_shards, a_calls) in zip(base, again,
                                                                           strict=True):
         assert b_calls == STEPS and a_calls == 2 * STEPS  # attention ran again in backward

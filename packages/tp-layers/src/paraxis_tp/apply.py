@@ -65,6 +65,7 @@ from paraxis_tp.layers import (
     shard_row,
     split_tokens,
 )
+from paraxis_tp.overlap import OverlappedEntry, eligible
 from paraxis_tp.regions import (
     REGION_STYLES,
     enter_region,
@@ -135,10 +136,15 @@ def _param_styles(model: nn.Module, plan: ModelPlan) -> list[tuple[str, str, str
 
 def apply_tensor_plan(model: nn.Module, plan: ModelPlan, group: AxisGroup, *,
                       sequence_parallel: bool, rng: TensorParallelRNG,
-                      out: TensorParallelApplied, memo: dict[int, nn.Parameter]) -> None:
+                      out: TensorParallelApplied, memo: dict[int, nn.Parameter],
+                      overlap: bool = False) -> None:
     """Shard one model (or pipeline stage) in place; ``memo`` is shared across the
-    stages of one rank so a tied weight stays one parameter."""
+    stages of one rank so a tied weight stays one parameter. ``overlap`` (sequence
+    parallel only): entries and exits of plain ``nn.Linear`` layers overlap their
+    collectives with the GEMMs (:mod:`paraxis_tp.overlap`)."""
     sp = sequence_parallel
+    overlap = overlap and sp
+    fused: dict[str, OverlappedEntry] = {}  # block -> its entry fused with its columns
     styles = _styles(model, plan)
     output_embedding = getattr(model, "get_output_embeddings", lambda: None)()
     rows = {n for n, s in styles.items() if s in ROW}
@@ -172,6 +178,10 @@ def apply_tensor_plan(model: nn.Module, plan: ModelPlan, group: AxisGroup, *,
             padded = _padded(vocab, group.size) if is_logits or gather else None
             entry = (None if sp else shared.setdefault(parent, SharedEntry(enter))) \
                 if in_block else enter
+            if overlap and eligible(module):
+                entry = None if in_block else OverlappedEntry(group)
+                (fused.setdefault(parent, OverlappedEntry(group)) if in_block
+                 else entry).add(module)
             shard_column(module, group, memo, parts=2 if style == "packed_colwise" else 1,
                          padded=padded, gather_output=gather, enter=entry)
             if in_block and not gather:
@@ -182,7 +192,8 @@ def apply_tensor_plan(model: nn.Module, plan: ModelPlan, group: AxisGroup, *,
         elif style in ROW:
             _check_type(name, module, style, nn.Linear)
             shard_row(module, group, memo, split_input=style == "rowwise_split_input",
-                      sequence_parallel=sp, on_enter=rng.exit)
+                      sequence_parallel=sp, on_enter=rng.exit,
+                      overlap=overlap and eligible(module))
         elif style == "embedding_rowwise":
             _check_type(name, module, style, nn.Embedding)
             shard_embedding(module, group, memo,
@@ -193,8 +204,9 @@ def apply_tensor_plan(model: nn.Module, plan: ModelPlan, group: AxisGroup, *,
             continue
         out.replaced[name] = style
     for name in sorted(blocks):
-        _enter_block(model.get_submodule(name), enter if sp else None,
-                     rng if name in split_blocks else None, shared.get(name))
+        entry = fused.get(name)
+        _enter_block(model.get_submodule(name), entry or (enter if sp else None),
+                     rng if name in split_blocks else None, shared.get(name) or entry)
     out.entered |= blocks
 
 

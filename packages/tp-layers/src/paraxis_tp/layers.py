@@ -15,6 +15,8 @@ same step, and forward hooks put core's collectives around it:
 * :func:`shard_row`: ``A``'s input features split; the module runs on this rank's slice
   of ``X`` *without* its bias, then the partial outputs are summed (all-reduce, or
   reduce-scatter along the sequence under sequence parallelism) and the bias added once.
+  With ``overlap`` (sequence parallel, a plain ``nn.Linear``) the reduce-scatter is
+  pipelined with the GEMM inside its forward (:mod:`paraxis_tp.overlap`).
 * :func:`shard_embedding`: the vocabulary split by token range; ids this rank does not
   own are looked up as row 0, their rows zeroed after the module's forward, and the
   partial embeddings summed.
@@ -35,6 +37,7 @@ from torch import nn
 from paraxis.parallel.placement import placement_of, set_placement
 from paraxis.runtime.differentiable import all_gather, reduce_from, reduce_scatter, split
 from paraxis.runtime.grid import AxisGroup
+from paraxis_tp.overlap import overlap_row
 
 __all__ = ["SEQ_DIM", "gather_tokens", "map_first_input", "scatter_tokens", "shard_column",
            "shard_embedding", "shard_row", "shard_rows", "sharded_parameter", "split_tokens"]
@@ -137,9 +140,11 @@ def shard_column(linear: nn.Linear, group: AxisGroup, memo: dict[int, nn.Paramet
 
 def shard_row(linear: nn.Linear, group: AxisGroup, memo: dict[int, nn.Parameter], *,
               split_input: bool = False, sequence_parallel: bool = False,
-              on_enter: Callable[[], None] | None = None) -> None:
+              on_enter: Callable[[], None] | None = None, overlap: bool = False) -> None:
     linear.weight = sharded_parameter(linear.weight, group, memo, dim=1)
     linear.in_features = linear.weight.shape[1]
+    if overlap:  # its forward reduce-scatters, pipelined with the GEMM
+        overlap_row(linear, group)
 
     def pre(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if on_enter is not None:
@@ -156,7 +161,8 @@ def shard_row(linear: nn.Linear, group: AxisGroup, memo: dict[int, nn.Parameter]
         bias = module._paraxis_bias
         if bias is not None:
             module._parameters["bias"] = bias
-        out = scatter_tokens(out, group) if sequence_parallel else reduce_from(out, group)
+        if not overlap:
+            out = scatter_tokens(out, group) if sequence_parallel else reduce_from(out, group)
         return out if bias is None else out + bias
 
     linear.register_forward_pre_hook(pre, with_kwargs=True)

@@ -19,6 +19,7 @@ def check_tensor(config: ParallelConfig, model: ModelShape | None) -> list[Probl
         problems.append(Problem(
             "parallelism.sequence_parallel", True, "shards activations over the tensor axis, "
             "which has degree 1", "set parallelism.tensor > 1 or sequence_parallel: false"))
+    problems += _check_overlap(config)
     if model is None or t == 1:
         return problems
     divides(problems, "model.hidden_size", model.hidden_size, t, "tensor")
@@ -40,3 +41,22 @@ def check_tensor(config: ParallelConfig, model: ModelShape | None) -> list[Probl
         divides(problems, "model.seq_length", model.seq_length, t * par.context,
                 "tensor x context")
     return problems
+
+
+def _check_overlap(config: ParallelConfig) -> list[Problem]:
+    """``tensor_overlap: on`` where it cannot apply (paraxis_tp.overlap)."""
+    par = config.parallelism
+    if par.tensor_overlap != "on":
+        return []
+    if not par.sequence_parallel:
+        return [Problem("parallelism.tensor_overlap", "on", "overlaps sequence parallel's "
+                        "all-gathers and reduce-scatters with the GEMMs; without "
+                        "sequence_parallel there are none", "set sequence_parallel: true, "
+                        "or tensor_overlap: auto")]
+    if par.pipeline > 1 and config.schedule.pipeline_schedule == "zero_bubble_h1":
+        return [Problem("parallelism.tensor_overlap", "on", "zero_bubble_h1 splits the "
+                        "backward into input and weight passes, and a fused node (its "
+                        "ring transfers, its weight gradients) would run in both; not "
+                        "supported", "use another pipeline_schedule, or tensor_overlap: "
+                        "auto")]
+    return []

@@ -27,7 +27,7 @@ from paraxis.runtime.world import device_for_rank
 from paraxis_tp.apply import TensorParallelApplied, apply_tensor_plan, mark_partial, shard_sequence
 from paraxis_tp.rng import TensorParallelRNG
 
-__all__ = ["PartialGradSync", "TensorParallelStrategy"]
+__all__ = ["PartialGradSync", "TensorParallelStrategy", "overlap_wanted"]
 
 
 class PartialGradSync:
@@ -100,6 +100,15 @@ class PartialGradSync:
         return partial
 
 
+def overlap_wanted(option: str, group: AxisGroup) -> bool:
+    """``parallelism.tensor_overlap`` resolved for ``group`` (sequence parallel only).
+    ``auto`` is on where transfers and GEMMs can run at once, a stream-ordered group
+    (NCCL: the communicator's stream beside the compute stream), and off on gloo, where
+    benchmarks/tp_overlap.py measured no gain on this project's CPUs (RESULTS.md,
+    ``tp_overlap``)."""
+    return option == "on" or (option == "auto" and group.stream_ordered)
+
+
 class TensorParallelStrategy(Strategy):
     axis = "tensor"
     phase = Phase.PARTITION
@@ -110,6 +119,11 @@ class TensorParallelStrategy(Strategy):
         plan.require("tensor")
         group = ctx.grid.group("tensor")
         sp = ctx.config.parallelism.sequence_parallel
+        # zero_bubble_h1's split backward would run a fused node in both passes (rules.py)
+        split_backward = ctx.config.parallelism.pipeline > 1 and \
+            ctx.config.schedule.pipeline_schedule == "zero_bubble_h1"
+        overlap = sp and not split_backward and overlap_wanted(
+            ctx.config.parallelism.tensor_overlap, group)
         device = next(model.parameters()).device
         if device.type == "meta":  # weights read after the partition (from_pretrained)
             device = device_for_rank()
@@ -119,7 +133,7 @@ class TensorParallelStrategy(Strategy):
         pipeline = ctx.pipeline
         for c, chunk in enumerate(chunks_of(model)):
             apply_tensor_plan(chunk, plan, group, sequence_parallel=sp, rng=out.rng, out=out,
-                              memo=memo)
+                              memo=memo, overlap=overlap)
             if sp:
                 first_layer = pipeline.layers_of(c)[0] if pipeline else 0
                 shard_sequence(chunk, plan, group, out, first_layer=first_layer,

@@ -80,6 +80,10 @@ class Parallelism(_Section):
     context: PositiveInt = 1
     zero: Literal[0, 1, 2, 3] = 0
     sequence_parallel: bool = False
+    # Sequence parallel's all-gathers and reduce-scatters cut into ring steps that
+    # overlap the tensor-parallel GEMMs (paraxis_tp.overlap); auto: see
+    # docs/architecture.md, "Tensor-parallel overlap".
+    tensor_overlap: Literal["auto", "on", "off"] = "auto"
     # How the context axis splits attention: ring (K/V circulate) or Ulysses (heads).
     context_mode: Literal["ring", "ulysses"] = "ring"
     bucket_mb: float = Field(default=25.0, gt=0)

@@ -4,7 +4,8 @@
 device), ``group`` (one rank's :class:`AxisGroup`), ``grid`` (the rank layout and every
 named group, passed explicitly), ``comm_stats`` (bytes and blocked seconds per axis and
 op), ``collectives`` (counted collectives on tensors and buffers), ``differentiable``
-(the conjugate pairs a model's forward needs), ``liveness`` (which rank died). Imports
+(the conjugate pairs a model's forward needs), ``ring`` (collectives cut into ring hops
+interleaved with compute), ``liveness`` (which rank died). Imports
 only :mod:`paraxis.config`.
 """
 
