@@ -28,3 +28,69 @@ def test_split_experts_match_one_process(worlds, layout):
     degrees, sp = LAYOUTS[layout]
     out = compare(worlds, "mixtral", degrees, steps=6, expert_tensor=2, sequence_parallel=sp)
     assert all(h[2] > 0 for h in out[0][0]), "the router loss is trained every step"
+
+
+def expert_bytes(expert_tensor):
+    """This rank's expert parameter bytes under tensor 2 + SP, and the coverage matrix's
+    shard proof of the layout (paraxis_hf.coverage.checks)."""
+    import paraxis
+    from paraxis import ParallelConfig
+    from paraxis_hf import build_debug_model
+    from paraxis_hf.coverage.checks import Check, _proven, shard_proof
+
+    kwargs = {"tensor": 2, "sequence_parallel": True, "expert_tensor": expert_tensor}
+    model = build_debug_model("mixtral")
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    engine = paraxis.parallelize(model, config=ParallelConfig.from_kwargs(**kwargs),
+                                 train={"steps": 1, "lr": 1e-3, "seq_length": 16})
+    held = sum(p.numel() * p.element_size() for n, p in engine.model.named_parameters()
+               if ".experts." in n)
+    proof = shard_proof(engine, whole)
+    engine.close()
+    return held, _proven(Check("tensor=2 SP", kwargs, "tensor"), [{"proof": proof}]).cell()
+
+
+def test_split_experts_halve_each_ranks_expert_bytes(worlds):
+    whole = worlds.run(2, expert_bytes, 1)
+    split = worlds.run(2, expert_bytes, 2)
+    for (held, cell), (halved, split_cell) in zip(whole, split, strict=True):
+        assert halved * 2 == held, (held, halved)
+        assert "replicated over tensor" in cell and split_cell.startswith("pass"), cell
+        assert "expert tensors sharded over tensor" in split_cell, split_cell
+
+
+def test_unsupported_expert_tensor_layouts_are_refused():
+    from paraxis import ParallelConfig
+    from paraxis.config.rules import check
+    from paraxis.config.shape import ModelShape
+    from paraxis_moe.config import moe_problems
+
+    def problems(**kwargs):
+        config = ParallelConfig.from_kwargs(**kwargs)
+        shape = ModelShape(hidden_size=64, num_attention_heads=4, num_layers=2,
+                           vocab_size=128, intermediate_size=96, num_experts=4)
+        found = check(config)
+        return [p for p in found + moe_problems(config, shape, found)
+                if p.field == "parallelism.expert_tensor"]
+
+    assert not problems(tensor=4, expert_tensor=4)
+    assert "must divide the tensor degree 4" in problems(tensor=4, expert_tensor=3)[0].rule
+    assert "sub-group" in problems(tensor=4, expert_tensor=2)[0].rule
+    assert "zero=1" in problems(tensor=2, expert_tensor=2, data=2, zero=1)[0].rule
+    assert "pipeline=2" in problems(tensor=2, expert_tensor=2, pipeline=2)[0].rule
+
+
+def test_experts_the_split_cannot_hold_are_refused_before_any_group():
+    from paraxis import ParallelConfig
+    from paraxis.config.errors import ConfigError
+    from paraxis.config.run import TrainSection
+    from paraxis.engine.apply import preflight
+    from paraxis_hf import build_debug_model
+
+    # Qwen3-MoE's experts have their own width (moe_intermediate_size), which the dense
+    # tensor rules do not check.
+    model = build_debug_model("qwen3_moe", moe_intermediate_size=33)
+    config = ParallelConfig.from_kwargs(tensor=2, expert_tensor=2)
+    with pytest.raises(ConfigError, match="expert FFN width 33 is not divisible by "
+                                          "expert_tensor 2"):
+        preflight(model, config, train=TrainSection(seq_length=8), world_size=2)
