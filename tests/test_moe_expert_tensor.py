@@ -30,6 +30,13 @@ def test_split_experts_match_one_process(worlds, layout):
     assert all(h[2] > 0 for h in out[0][0]), "the router loss is trained every step"
 
 
+# A shared expert follows the dense tensor plan (a column/row-split MLP of its own);
+# only the routed experts take the expert-tensor split.
+@pytest.mark.parametrize("sp", [True, False], ids=["sp", "no_sp"])
+def test_split_experts_beside_a_shared_expert(worlds, sp):
+    compare(worlds, "qwen2_moe", {"tensor": 2}, steps=6, expert_tensor=2, sequence_parallel=sp)
+
+
 def expert_bytes(expert_tensor):
     """This rank's expert parameter bytes under tensor 2 + SP, and the coverage matrix's
     shard proof of the layout (paraxis_hf.coverage.checks)."""

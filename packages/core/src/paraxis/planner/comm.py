@@ -23,6 +23,13 @@ data axis travel as ``Workload.grad_wire_bytes`` and ``weight_bytes``.
 * expert: all-to-all dispatch and combine of T·k tokens of h elements, 2·T·k·h·(E-1)/E
   per MoE layer each way (forward, backward); T = b·s tokens per microbatch on the
   rank (/t with sequence parallelism, /C with context).
+* expert tensor (``expert_tensor`` = t > 1): each MoE layer's expert rows enter and
+  leave the split FFN over the tensor group: under sequence parallelism an all-gather
+  of the t ranks' rows and a reduce-scatter of the outputs, without it Megatron's f/g
+  (an all-reduce of the output forward, of the input gradient backward); either way
+  4·R·h·(t-1)/t per MoE layer per microbatch, forward and backward, R = T·k rows (T
+  with sequence parallelism undivided, since the group gathers all t shares; T alone
+  at expert degree 1 without a capacity, where the rows are the tokens themselves).
 * context: Ulysses (Jacobs et al., arXiv:2309.14509) all-to-alls q, k, v and the output,
   (2h + 2h_kv)·b·s/C·(C-1)/C per layer each way (its 4Nh/P with h_kv = h); ring
   attention (Liu et al., arXiv:2310.01889) passes each rank's K/V block around the ring,
@@ -124,6 +131,14 @@ def communication(counts: ModelCounts, layout: ParallelConfig, work: Workload, *
         out.append(AxisComm("expert", "all-to-all", volume, e, link("expert"),
                             "none: dispatch waits on routing, combine on the experts",
                             "dispatch + combine per MoE layer, forward and backward"))
+    if par.expert_tensor > 1 and moe:
+        dispatched = e > 1 or layout.moe.capacity_factor is not None
+        rows = tokens * (counts.top_k if dispatched else 1)
+        volume = 4 * rows * h * (t - 1) / t * el * moe * m
+        op = "all-gather + reduce-scatter" if par.sequence_parallel else "all-reduce"
+        out.append(AxisComm("expert_tensor", op, volume, t, link("tensor"),
+                            "none: the experts wait on their rows",
+                            "rows in and outputs out per MoE layer, forward and backward"))
     if c > 1:
         out.append(_context(counts, layout, work, layers, link("context")))
     return out
