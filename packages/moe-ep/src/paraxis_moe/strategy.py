@@ -18,7 +18,9 @@ statistics are always logged. It uses core's contracts (docs/architecture.md sec
 Each pipeline chunk this rank holds is handled (a stage may hold no MoE block). Tensor
 parallelism splits attention and dense MLPs; the experts stay whole on their expert
 rank (paraxis-hf leaves the fused experts out of the tensor plan), and the tensor ranks
-of one expert rank dispatch the same tokens over their own expert group.
+of one expert rank dispatch the same tokens over their own expert group; with
+``parallelism.expert_tensor`` equal to the tensor degree each expert's FFN is split over
+the tensor group instead (:mod:`paraxis_moe.expert_tensor`).
 """
 
 from __future__ import annotations
