@@ -14,12 +14,13 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("paraxis_moe")
 
-from hf_parity import compare
+from hf_parity import LR, compare
 
 LAYOUTS = {
     "expert2_tensor2_sp": ({"expert": 2, "tensor": 2}, True),
     "tensor2_sp": ({"tensor": 2}, True),
     "tensor2": ({"tensor": 2}, False),
+    "data2_tensor2_sp": ({"data": 2, "tensor": 2}, True),
 }
 
 
@@ -35,6 +36,28 @@ def test_split_experts_match_one_process(worlds, layout):
 @pytest.mark.parametrize("sp", [True, False], ids=["sp", "no_sp"])
 def test_split_experts_beside_a_shared_expert(worlds, sp):
     compare(worlds, "qwen2_moe", {"tensor": 2}, steps=6, expert_tensor=2, sequence_parallel=sp)
+
+
+# With a capacity, the rows go through the dispatch even at expert degree 1; without
+# sequence parallelism every tensor rank drops the same pairs, so one process applying
+# the capacity per expert rank's tokens drops them too (tests/test_moe_capacity.py).
+@pytest.mark.parametrize("degrees", [{"tensor": 2}, {"expert": 2, "tensor": 2}],
+                         ids=["tensor2", "expert2_tensor2"])
+def test_split_experts_with_a_capacity_drop_as_one_process(worlds, degrees):
+    from test_moe_capacity import train_capped
+
+    from paraxis.testing.parity import assert_same_weights
+    from paraxis.testing.tolerance import assert_losses_close
+
+    groups = degrees.get("expert", 1)
+    ref, ref_shards = worlds.run(1, train_capped, {}, groups)[0]
+    out = worlds.run(2 * groups, train_capped, {**degrees, "expert_tensor": 2}, 1)
+    assert sum(h[3] for h in ref) > 0, "capacity 0.5 should drop pairs"
+    for history, _ in out:
+        assert [h[3] for h in history] == [h[3] for h in ref], "drops differ"
+        for i, what in enumerate(("losses", "gradient norms", "router losses")):
+            assert_losses_close([h[i] for h in history], [h[i] for h in ref], what)
+    assert_same_weights([s for _, s in out], ref_shards, lr=LR, steps=20)
 
 
 def expert_bytes(expert_tensor):
