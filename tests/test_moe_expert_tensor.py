@@ -124,3 +124,18 @@ def test_experts_the_split_cannot_hold_are_refused_before_any_group():
     with pytest.raises(ConfigError, match="expert FFN width 33 is not divisible by "
                                           "expert_tensor 2"):
         preflight(model, config, train=TrainSection(seq_length=8), world_size=2)
+
+
+def test_the_plan_matches_split_experts_measured(worlds):
+    """``paraxis plan``'s bytes against one real step (paraxis.planner.accuracy): model
+    state, the tensor group's bytes (dense plus the split experts' all-gather and
+    reduce-scatter, or all-reduce without SP) within 2%, activations within the bound."""
+    from paraxis.planner.accuracy import BOUND, CASES, run
+
+    cases = [c for c in CASES if c.name in ("tp2-sp-etp2-mixtral", "tp2-etp2-mixtral")]
+    rows = run(cases, worlds)
+    assert {r.case for r in rows} == {c.name for c in cases}
+    for r in rows:
+        bound = BOUND if r.quantity.startswith("activations") else 0.02
+        assert r.error <= bound, (r.case, r.quantity, r.planned, r.measured)
+    assert any(r.quantity == "tensor bytes" for r in rows)

@@ -13,6 +13,10 @@ data axis travel as ``Workload.grad_wire_bytes`` and ``weight_bytes``.
 * tensor: 8·b·s·h·(t-1)/t elements per layer per microbatch: Megatron-LM's 4 all-reduces
   of the b·s·h layer output per layer (g after attention and after the MLP in forward,
   f before each in backward; Shoeybi et al., arXiv:1909.08053, section 3), 2(t-1)/t each.
+  A mixture-of-experts layer without a dense (shared) MLP has only attention's 2:
+  paraxis leaves its MoE block outside the tensor plan. Under sequence parallelism the
+  experts, whole on each tensor rank (``expert_tensor`` 1), saw only their rank's tokens,
+  so their gradients are all-reduced once per step, as the norms' are.
   Sequence parallelism swaps each for an all-gather plus a reduce-scatter, the same
   volume (Korthikanti et al., section 4.2.2). Recompute replays forward collectives:
   +1 all-reduce per layer for paraxis's selective (the attention block with its
@@ -50,7 +54,7 @@ from dataclasses import dataclass
 from paraxis.config.parallel import AXES, ParallelConfig
 from paraxis.planner.inputs import Workload
 from paraxis.planner.memory import BYTES_PER_PARAM
-from paraxis.planner.model import ModelCounts
+from paraxis.planner.model import LayerCount, ModelCounts
 from paraxis.planner.schedule import layout_chunks
 
 __all__ = ["AxisComm", "communication", "link_of"]
@@ -134,7 +138,8 @@ def communication(counts: ModelCounts, layout: ParallelConfig, work: Workload, *
     if par.expert_tensor > 1 and moe:
         dispatched = e > 1 or layout.moe.capacity_factor is not None
         rows = tokens * (counts.top_k if dispatched else 1)
-        volume = 4 * rows * h * (t - 1) / t * el * moe * m
+        passes = 4 + 2 * (sched.activation_checkpointing == "full")  # forward replayed
+        volume = passes * rows * h * (t - 1) / t * el * moe * m
         op = "all-gather + reduce-scatter" if par.sequence_parallel else "all-reduce"
         out.append(AxisComm("expert_tensor", op, volume, t, link("tensor"),
                             "none: the experts wait on their rows",
@@ -159,7 +164,10 @@ def _tensor_stage(counts: ModelCounts, layout: ParallelConfig, work: Workload, r
     tokens = work.micro_batch * work.seq / par.context
     sbh = tokens * counts.hidden_size * el
     replays = {"none": 0, "selective": 1, "full": 2}[sched.activation_checkpointing]
-    per_mb = (4 + replays) * 2 * sbh * ring * len(layer_ids)
+    moe_only = sum(1 for i in layer_ids if counts.layers[i].experts
+                   and not _has_dense_mlp(counts, counts.layers[i]))
+    mlp = 2 + (sched.activation_checkpointing == "full")  # the MLP's, replays included
+    per_mb = ((4 + replays) * len(layer_ids) - mlp * moe_only) * 2 * sbh * ring
     first, last = rank == 0, rank == par.pipeline - 1
     if first:
         per_mb += 2 * sbh * ring
@@ -171,8 +179,17 @@ def _tensor_stage(counts: ModelCounts, layout: ParallelConfig, work: Workload, r
     if sp:  # norms (vectors) are replicated over tensor ranks that saw different tokens
         vectors = sum(counts.layers[i].vectors for i in layer_ids) \
             + (counts.final if last else 0)
+        if par.expert_tensor == 1:  # whole experts that saw only this rank's tokens
+            vectors += sum(counts.layers[i].experts for i in layer_ids) / par.expert
         once = 2 * vectors * BYTES_PER_PARAM[work.precision][1] * ring
     return per_mb * m + once
+
+
+def _has_dense_mlp(counts: ModelCounts, layer: LayerCount) -> bool:
+    """Whether a layer's matrices hold more than attention and a router: a dense or
+    shared-expert MLP, which the tensor plan splits."""
+    q, kv = counts.num_heads * counts.head_dim, counts.kv_heads * counts.head_dim
+    return layer.matrices > counts.hidden_size * (2 * q + 2 * kv + counts.num_experts)
 
 
 def _data(layout: ParallelConfig, work: Workload, dense: float, expert: float, link: str,

@@ -183,7 +183,9 @@ def _activations(counts: ModelCounts, layout: ParallelConfig, work: Workload, ra
     if is_exact(counts):
         ulysses = c > 1 and par.context_mode == "ulysses"
         dense_layer = exact_layer_bytes(counts, **shape, ulysses=ulysses)
-        moe_layer = exact_layer_bytes(counts, **shape, moe=True, ulysses=ulysses)
+        dispatched = par.expert > 1 or layout.moe.capacity_factor is not None
+        moe_layer = exact_layer_bytes(counts, **shape, moe=True, ulysses=ulysses,
+                                      etp=par.expert_tensor, dispatched=dispatched)
     else:
         dense_layer = layer_activation_bytes(**shape, h=counts.hidden_size,
                                              a=counts.num_heads)
