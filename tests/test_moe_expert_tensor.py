@@ -139,3 +139,28 @@ def test_the_plan_matches_split_experts_measured(worlds):
         bound = BOUND if r.quantity.startswith("activations") else 0.02
         assert r.error <= bound, (r.case, r.quantity, r.planned, r.measured)
     assert any(r.quantity == "tensor bytes" for r in rows)
+
+
+# A checkpoint of split experts restores on a grid that keeps them whole, and back
+# (tests/test_checkpoint_topology.py: 3 steps, save, load, 3 more against one process).
+RESHARD = {
+    "etp2sp-expert2": ({"tensor": 2, "sequence_parallel": True, "expert_tensor": 2},
+                       {"expert": 2}),
+    "data2-etp2": ({"data": 2}, {"tensor": 2, "expert_tensor": 2}),
+}
+
+
+@pytest.mark.parametrize("row", list(RESHARD))
+def test_a_checkpoint_of_split_experts_continues_on_another_grid(worlds, tmp_path, row):
+    from test_checkpoint_topology import SAVE, STEPS, reference, run
+
+    from paraxis.testing.tolerance import assert_losses_close
+
+    grid_a, grid_b = RESHARD[row]
+    ref_eval, ref_history, _ = reference(worlds, "mixtral")
+    ckpt = str(tmp_path / "ckpt")
+    worlds.run(2, run, "mixtral", grid_a, SAVE, None, ckpt)
+    for evaluated, history, _ in worlds.run(2, run, "mixtral", grid_b, STEPS, ckpt):
+        assert_losses_close([evaluated], [ref_eval], f"{row}: loss of the fixed batch")
+        assert_losses_close([h[0] for h in history], [h[0] for h in ref_history[SAVE:]],
+                            f"{row}: per-step losses after the load")
