@@ -164,3 +164,14 @@ def test_a_checkpoint_of_split_experts_continues_on_another_grid(worlds, tmp_pat
         assert_losses_close([evaluated], [ref_eval], f"{row}: loss of the fixed batch")
         assert_losses_close([h[0] for h in history], [h[0] for h in ref_history[SAVE:]],
                             f"{row}: per-step losses after the load")
+
+
+# Under train.precision bf16 rows travel in bf16 as the dispatch sends them; the routing
+# weights and the partial outputs travel unrounded (one process keeps them in fp32).
+@pytest.mark.parametrize("layout", ["tensor2_sp", "expert2_tensor2_sp"])
+def test_split_experts_in_bf16_match_one_process_bf16(worlds, layout):
+    from paraxis.testing.tolerance import BF16_RTOL
+
+    degrees, sp = LAYOUTS[layout]
+    compare(worlds, "mixtral", degrees, steps=6, recipe={"precision": "bf16"},
+            rtol=BF16_RTOL, expert_tensor=2, sequence_parallel=sp)

@@ -34,13 +34,7 @@ from torch import nn
 
 from paraxis.parallel.placement import placement_of, set_placement
 from paraxis.runtime.collectives import all_gather_into
-from paraxis.runtime.differentiable import (
-    all_gather,
-    all_to_all_uneven,
-    copy_to,
-    reduce_from,
-    reduce_scatter,
-)
+from paraxis.runtime.differentiable import all_to_all_uneven, copy_to, reduce_from
 from paraxis.runtime.grid import AxisGroup
 
 __all__ = ["ExpertTensor", "expert_width", "gather_rows", "refusals", "scatter_sum_rows",
@@ -100,13 +94,15 @@ def shard_expert_ffn(experts: Any, group: AxisGroup) -> None:
         experts.intermediate_dim = expert_width(experts)
 
 
-def gather_rows(x: torch.Tensor, group: AxisGroup, counts: list[int]) -> torch.Tensor:
+def gather_rows(x: torch.Tensor, group: AxisGroup, counts: list[int], *,
+                narrow: bool = True) -> torch.Tensor:
     """Every rank's rows of ``x`` (``counts[r]`` rows on rank ``r``), concatenated in
     rank order; backward sums each rank's gradient rows and returns this rank's (an
-    uneven all-gather whose backward is a reduce-scatter)."""
+    uneven all-gather whose backward is a reduce-scatter). ``narrow=False`` keeps fp32
+    rows fp32 on the wire under autocast (core's ``all_to_all_uneven``)."""
     n = group.size
     return all_to_all_uneven(x.repeat(n, *([1] * (x.dim() - 1))), group,
-                             [x.shape[0]] * n, counts)
+                             [x.shape[0]] * n, counts, narrow=narrow)
 
 
 def scatter_sum_rows(x: torch.Tensor, group: AxisGroup, counts: list[int]) -> torch.Tensor:
@@ -151,11 +147,12 @@ class ExpertTensor:
         if not self.sequence_parallel:
             out = compute(copy_to(hidden, group), top_k_index, copy_to(top_k_weights, group))
             return reduce_from(out, group)
-        # Sequence parallelism splits every rank's tokens evenly (validated), so these
-        # gathers are even.
+        # Sequence parallelism splits every rank's tokens evenly (validated). The routing
+        # weights and the partial outputs travel unrounded, as one process keeps them.
+        counts = [hidden.shape[0]] * group.size
         index = top_k_index.new_empty(group.size * top_k_index.numel())
         all_gather_into(index, top_k_index.reshape(-1).contiguous(), group)
         index = index.view(-1, *top_k_index.shape[1:])
-        out = compute(all_gather(hidden, group, dim=0, grad="sum"), index,
-                      all_gather(top_k_weights, group, dim=0, grad="sum"))
-        return reduce_scatter(out, group, dim=0)
+        out = compute(gather_rows(hidden, group, counts), index,
+                      gather_rows(top_k_weights, group, counts, narrow=False))
+        return scatter_sum_rows(out, group, counts)
