@@ -25,8 +25,11 @@ MIXTRAL = {**LLAMA, "model_type": "mixtral", "num_local_experts": 8, "num_expert
     # One local expert over 2 data replicas: ZeRO's dim-0 chunks leave it whole on a rank.
     (MIXTRAL, ["--data", "2", "--expert", "8", "--tensor", "2", "--zero", "1",
                "--sequence-parallel"]),
+    # Each expert's FFN split over the tensor group (expert_tensor): expert bytes / 2.
+    (MIXTRAL, ["--data", "2", "--expert", "4", "--tensor", "2", "--expert-tensor", "2",
+               "--sequence-parallel"]),
 ], ids=["llama-d4t4p4-zero1-sp", "llama-d8t2-zero3", "mixtral-d2e4t2p2-zero1-sp",
-        "mixtral-d2e8t2-zero1-sp"])
+        "mixtral-d2e8t2-zero1-sp", "mixtral-d2e4t2-etp2-sp"])
 def test_dry_run_bytes_agree_with_the_plan(tmp_path, capsys, model, layout):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(model))

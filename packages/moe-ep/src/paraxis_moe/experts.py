@@ -38,6 +38,7 @@ from paraxis.runtime.grid import AxisGroup
 from paraxis_moe.capacity import grouped_keep_mask
 from paraxis_moe.config import MoEConfig
 from paraxis_moe.dispatcher import AllToAllDispatcher, Dispatched
+from paraxis_moe.expert_tensor import ExpertTensor, shard_expert_ffn
 from paraxis_moe.grouped import local_kernel, padded_bmm_forward
 from paraxis_moe.stats import BackwardTimer, LayerStats
 
@@ -81,6 +82,8 @@ class ExpertParallelExperts(nn.Module):
     # Capacity applies per group of T / capacity_groups consecutive tokens: 1 on every
     # rank (its own tokens); n lets one process drop what n ranks would.
     capacity_groups: int = 1
+    # Set when each expert's FFN is split over the tensor group (expert_tensor > 1).
+    expert_tensor: ExpertTensor | None = None
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -114,7 +117,10 @@ class ExpertParallelExperts(nn.Module):
         moved["share"] = self._share(counts)
         x = timer.point(hidden_states, "compute") if timer is not None else hidden_states
         start = time.perf_counter()
-        y = self._compute(x, top_k_index, top_k_weights)
+        if self.expert_tensor is not None:
+            y = self.expert_tensor.whole(x, top_k_index, top_k_weights, self._compute)
+        else:
+            y = self._compute(x, top_k_index, top_k_weights)
         compute_s = time.perf_counter() - start
         if timer is not None:
             y = timer.point(y, None)
@@ -129,9 +135,15 @@ class ExpertParallelExperts(nn.Module):
         return y
 
     def _local_experts(self, d: Dispatched) -> torch.Tensor:
-        """The model's own experts forward on this rank's rows (local ids, unit weights)."""
-        tokens = d.tokens
-        ids = d.local_ids.unsqueeze(-1)
+        """The model's own experts forward on this rank's rows (local ids, unit weights);
+        with a split FFN, on the rows of the whole tensor group (:mod:`.expert_tensor`)."""
+        if self.expert_tensor is not None:
+            return self.expert_tensor.dispatched(d.tokens, d.recv_counts, d.local_ids,
+                                                 self._rows)
+        return self._rows(d.tokens, d.local_ids)
+
+    def _rows(self, tokens: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        ids = local_ids.unsqueeze(-1)
         out = self._compute(tokens, ids, torch.ones(ids.shape, dtype=tokens.dtype,
                                                     device=tokens.device))
         if tokens.shape[0] == 0 and tokens.requires_grad:
@@ -202,9 +214,11 @@ class ExpertParallelExperts(nn.Module):
 
     def extra_repr(self) -> str:
         first, last = self.dispatcher.local_range()
+        split = self.expert_tensor
+        ffn = f", FFN split over {split.group.size} tensor ranks" if split is not None else ""
         return (f"experts [{first}, {last}) of {self.dispatcher.num_experts} on expert rank "
                 f"{self.dispatcher.group.rank}/{self.dispatcher.group.size}, "
-                f"capacity_factor={self.moe.capacity_factor}")
+                f"capacity_factor={self.moe.capacity_factor}{ffn}")
 
 
 _CLASSES: dict[type, type] = {}
@@ -220,8 +234,9 @@ def _expert_parallel_class(cls: type) -> type:
 
 def shard_experts(experts: nn.Module, group: AxisGroup, *, moe: MoEConfig | None = None,
                   stats: LayerStats | None = None, name: str = "experts",
-                  ) -> ExpertParallelExperts:
-    """Keep this rank's ``E / ep`` experts of ``experts`` and dispatch to the others.
+                  expert_tensor: ExpertTensor | None = None) -> ExpertParallelExperts:
+    """Keep this rank's ``E / ep`` experts of ``experts`` and dispatch to the others;
+    with ``expert_tensor``, also split each expert's FFN over its group.
 
     ``name`` is the module's qualified name, for errors and for placement records of
     parameters that have none yet. Every rank of ``group`` must call it.
@@ -240,7 +255,10 @@ def shard_experts(experts: nn.Module, group: AxisGroup, *, moe: MoEConfig | None
         set_placement(local, record.sharded(dim=0, axis="expert", offset=first,
                                             length=last - first))
         setattr(experts, pname, local)
+    if expert_tensor is not None:
+        shard_expert_ffn(experts, expert_tensor.group)
     experts.__class__ = _expert_parallel_class(type(experts))
+    experts.expert_tensor = expert_tensor
     experts.num_global_experts = experts.num_experts
     experts.num_experts = last - first  # what the model's own forward loops / bins over
     experts.dispatcher = dispatcher

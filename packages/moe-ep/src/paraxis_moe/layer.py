@@ -31,6 +31,7 @@ from paraxis.runtime.grid import AxisGroup
 from paraxis.runtime.world import device_for_rank
 from paraxis_moe.balance import BiasBalancer, SequenceLosses, correction_bias, sigmoid_scored
 from paraxis_moe.config import MoEConfig, aux_coef, experts_per_token
+from paraxis_moe.expert_tensor import ExpertTensor
 from paraxis_moe.experts import (
     ExpertParallelExperts,
     UnsupportedMoELayout,
@@ -147,6 +148,8 @@ class ExpertParallel:
     pipeline group, over which the statistics of the stages' layers are gathered. With
     ``allow_empty`` (a pipeline stage) a module without MoE blocks is accepted. With a
     group of one, blocks whose experts cannot be sharded are kept whole (``kept``).
+    ``expert_tensor`` splits each expert's FFN over the tensor group
+    (:mod:`paraxis_moe.expert_tensor`).
     Every rank of the grid must build it with the same arguments.
     """
 
@@ -154,7 +157,7 @@ class ExpertParallel:
                  group: AxisGroup, *, moe: MoEConfig | None = None,
                  token_group: AxisGroup | None = None, pipeline: AxisGroup | None = None,
                  sequence_groups: tuple[AxisGroup, ...] = (),
-                 allow_empty: bool = False):
+                 allow_empty: bool = False, expert_tensor: ExpertTensor | None = None):
         self.moe = moe or MoEConfig()
         self.group, self.token_group, self.pipeline = group, token_group, pipeline
         self.roots = [model] if isinstance(model, nn.Module) else list(model)
@@ -202,7 +205,8 @@ class ExpertParallel:
             layer = self.stats.layers[name]
             if experts is not None:
                 self.experts[name] = shard_experts(experts, group, moe=self.moe, stats=layer,
-                                                   name=f"{name}.experts")
+                                                   name=f"{name}.experts",
+                                                   expert_tensor=expert_tensor)
             if router is not None:
                 self._hooks.append(watch_router(router, stats=layer, losses=self.losses,
                                                 recording=lambda: self.recording,

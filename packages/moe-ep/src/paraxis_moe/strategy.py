@@ -18,7 +18,9 @@ statistics are always logged. It uses core's contracts (docs/architecture.md sec
 Each pipeline chunk this rank holds is handled (a stage may hold no MoE block). Tensor
 parallelism splits attention and dense MLPs; the experts stay whole on their expert
 rank (paraxis-hf leaves the fused experts out of the tensor plan), and the tensor ranks
-of one expert rank dispatch the same tokens over their own expert group.
+of one expert rank dispatch the same tokens over their own expert group; with
+``parallelism.expert_tensor`` equal to the tensor degree each expert's FFN is split over
+the tensor group instead (:mod:`paraxis_moe.expert_tensor`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from paraxis.parallel.stages import chunks_of
 from paraxis.parallel.strategy import ApplyContext, Phase, Strategy
 from paraxis.runtime.grid import DENSE_REPLICA_AXES, SEQUENCE_SHARD_AXES
 from paraxis_moe.config import group_limit_problems, moe_config
+from paraxis_moe.expert_tensor import ExpertTensor, refusals
 from paraxis_moe.experts import UnsupportedMoELayout
 from paraxis_moe.layer import ExpertParallel, find_blocks
 
@@ -66,7 +69,7 @@ class ExpertParallelStrategy(Strategy):
                          "choose parallelism.expert dividing the expert count")
                  for name, _, experts in blocks
                  if experts is not None and experts.num_experts % degree][:1]
-        return found
+        return found + _expert_tensor_problems(blocks, config.parallelism.expert_tensor)
 
     def apply(self, model: nn.Module, ctx: ApplyContext) -> nn.Module:
         plan = ctx.plan
@@ -86,10 +89,12 @@ class ExpertParallelStrategy(Strategy):
         # per-sequence counts over them).
         splitting = (ctx.grid.group("context"),
                      *((ctx.grid.group("tensor"),) if routes_shard else ()))
+        split = (ExpertTensor(ctx.grid.group("tensor"), sequence_parallel=par.sequence_parallel)
+                 if par.expert_tensor > 1 else None)
         ep = ExpertParallel(chunks_of(model), plan.experts, ctx.grid.group("expert"), moe=moe,
                             token_group=ctx.grid.group(token_axes), sequence_groups=splitting,
                             pipeline=ctx.grid.group("pipeline") if ctx.pipeline else None,
-                            allow_empty=ctx.pipeline is not None)
+                            allow_empty=ctx.pipeline is not None, expert_tensor=split)
         for name in ep.losses.names:
             ctx.aux_losses.declare(name)
         ep.attach(ctx.aux_losses)
@@ -101,3 +106,18 @@ class ExpertParallelStrategy(Strategy):
         ctx.extras["expert"] = ep
         return model
 
+
+
+def _expert_tensor_problems(blocks: list[tuple[str, Any, Any]], degree: int) -> list[Problem]:
+    """The first MoE block whose experts cannot be split over ``degree`` tensor ranks
+    (:func:`paraxis_moe.expert_tensor.refusals`), or that is kept whole."""
+    if degree == 1:
+        return []
+    for name, _, experts in blocks:
+        why = (["its experts are kept whole (no fused per-expert tensors)"]
+               if experts is None else refusals(experts, degree))
+        if why:
+            return [Problem("parallelism.expert_tensor", degree,
+                            f"cannot split the experts of {name}: {'; '.join(why)}",
+                            "set expert_tensor: 1 (experts whole on every tensor rank)")]
+    return []

@@ -177,7 +177,8 @@ def _parameter_bytes(params: Any) -> int:
 def shard_proof(engine: Any, whole: int) -> dict[str, Any]:
     """What this rank holds against the whole model: parameters its placements shard,
     layers and entries handed to other pipeline stages, the bytes it holds, the bytes
-    its placements claim, and the experts left whole on every tensor rank."""
+    its placements claim, the experts left whole on every tensor rank, and the expert
+    parameters split over it (``expert_tensor`` > 1)."""
     from paraxis.parallel.placement import placement_of
     from paraxis.parallel.stages import Absent, SkipLayer
 
@@ -192,6 +193,8 @@ def shard_proof(engine: Any, whole: int) -> dict[str, Any]:
                        for r, p in zip(records, params, strict=True)),
         "whole": whole,
         "experts_replicated_over_tensor": len(kept) if engine.grid.size("tensor") > 1 else 0,
+        "experts_sharded_over_tensor": sum({"expert", "tensor"} <= set(r.sharded_axes)
+                                           for r in records),
     }
 
 
@@ -311,8 +314,9 @@ def _proven(check: Check | None, results: list[dict[str, Any]]) -> Outcome:
     p = proofs[0]
     moved = (f"{p['sharded'][axis]} parameters sharded" if axis != "pipeline" else
              f"{p['handed_over']} modules handed to the other stage")
-    kept = p["experts_replicated_over_tensor"]
-    note = f"; experts of {kept} block(s) replicated over tensor" if kept else ""
+    kept, split = p["experts_replicated_over_tensor"], p.get("experts_sharded_over_tensor", 0)
+    note = (f"; {split} expert tensors sharded over tensor" if split else
+            f"; experts of {kept} block(s) replicated over tensor" if kept else "")
     return Outcome("pass", f"{moved}, ranks hold at most {worst:.2f} of the model{note}")
 
 

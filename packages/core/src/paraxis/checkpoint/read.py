@@ -18,6 +18,7 @@ import torch
 from paraxis.checkpoint.buffers import check_buffers, load_buffers
 from paraxis.checkpoint.files import CheckedFiles, CheckpointError, read_index
 from paraxis.checkpoint.format import optimizer_keys, optimizer_params, pieces, resolve
+from paraxis.checkpoint.packed import has_repacked, read_repacked
 from paraxis.checkpoint.state import Restored, TrainState
 from paraxis.parallel.placement import Placement, placement_of
 from paraxis.runtime.collectives import barrier
@@ -61,9 +62,16 @@ class Reader:
 
     def read_into(self, value: torch.Tensor, rec: Placement, prefix: str,
                   suffix: str = "") -> None:
-        """Fill ``value`` (laid out as ``rec``) from ``<prefix><name>[#partK]<suffix>``."""
+        """Fill ``value`` (laid out as ``rec``) from ``<prefix><name>[#partK]<suffix>``,
+        or from the tensor in the other packing (:mod:`paraxis.checkpoint.packed`)."""
+        tensors = self.index["tensors"]
         for part, view, _, region in pieces(value, rec):
-            view.copy_(self.read(f"{prefix}{rec.name}{part}{suffix}", region))
+            key = f"{prefix}{rec.name}{part}{suffix}"
+            got = self.read(key, region) if key in tensors else read_repacked(
+                self.read, tensors, rec, prefix, part, suffix, region)
+            if got is None:
+                raise CheckpointError(f"{self.ckpt} holds no {key}")
+            view.copy_(got)
 
 
 def _optimizer_state(reader: Reader, keys: dict[str, list[str]], param: torch.Tensor,
@@ -90,6 +98,8 @@ def check_model(index: dict[str, Any], model: torch.nn.Module, ckpt: Path) -> No
         for piece in rec.pieces():  # the placement alone: the parameter may be
             suffix, shape = piece.suffix, list(piece.shape)  # partitioned elsewhere
             entry = index["tensors"].get(f"model/{rec.name}{suffix}")
+            if entry is None and has_repacked(index["tensors"], rec, "model/", suffix):
+                continue
             if entry is None:
                 wrong.append(f"{rec.name}{suffix} is missing")
             elif list(entry["shape"]) != list(shape):

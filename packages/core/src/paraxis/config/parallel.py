@@ -84,6 +84,11 @@ class Parallelism(_Section):
     # overlap the tensor-parallel GEMMs (paraxis_tp.overlap); auto: see
     # docs/architecture.md, "Tensor-parallel overlap".
     tensor_overlap: Literal["auto", "on", "off"] = "auto"
+    # Expert tensor parallelism (Megatron-Core's expert_tensor_parallel_size): each
+    # expert's FFN split column/row-wise over this many tensor ranks. 1 (the default)
+    # keeps experts whole on every tensor rank, as before it existed; the other value
+    # supported is the tensor degree (paraxis-moe-ep, docs/architecture.md).
+    expert_tensor: PositiveInt = 1
     # How the context axis splits attention: ring (K/V circulate) or Ulysses (heads).
     context_mode: Literal["ring", "ulysses"] = "ring"
     bucket_mb: float = Field(default=25.0, gt=0)

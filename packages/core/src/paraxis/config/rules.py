@@ -47,6 +47,16 @@ def check(config: ParallelConfig, *, world_size: int | None = None,
         problems.append(Problem(
             "world_size", world_size, f"must equal the product of degrees {degrees} = "
             f"{config.world_size}", "launch that many processes or change the degrees"))
+    par = config.parallelism
+    if par.expert_tensor not in (1, par.tensor):
+        # A group strictly inside the tensor group would leave each expert shard
+        # replicated over the rest of it: a placement no grid axis names (neither the
+        # gradient reduction nor a checkpoint could read it), so it is refused.
+        why = (f"must divide the tensor degree {par.tensor}" if par.tensor % par.expert_tensor
+               else f"must be 1 or the tensor degree {par.tensor} (a sub-group of the "
+               "tensor group is not a grid group paraxis builds)")
+        problems.append(Problem("parallelism.expert_tensor", par.expert_tensor, why,
+                                f"set expert_tensor: 1 or {par.tensor}"))
     return problems
 
 

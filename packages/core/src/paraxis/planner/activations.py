@@ -14,8 +14,13 @@ e, fp32 where the model computes in fp32):
 * attention: q, k, v and the output (e·(2·h_q + 2·h_kv)/t) and the fp32 log-sum-exp per
   query and head (4·a/t); the s x s scores are never stored by the fused kernel;
 * MLP: gate, its SiLU, up and their product (4·e·i/t); a mixture-of-experts layer
-  keeps these per routed copy (top-k) at the expert width, plus paraxis-moe's
-  dispatch: each routed row in and out, the router's fp32 probabilities and indices;
+  keeps these per routed copy (top-k) at the expert width (/t only when
+  ``expert_tensor`` splits it), plus paraxis-moe's dispatch: each routed row in and
+  out, the router's fp32 probabilities and indices. Its block stays outside the tensor
+  plan, so under sequence parallelism it routes the rank's 1/t of the tokens; with
+  ``expert_tensor`` the split FFN runs on the t ranks' rows, gathered (its input kept);
+  at expert degree 1 without a capacity nothing is dispatched: the model's own forward
+  keeps each routed row's input and its output before weighting, no returned row;
 * with context parallelism every per-token term divides by C; Ulysses keeps the
   attention output twice (before and after its all-to-all back).
 
@@ -45,7 +50,8 @@ def _norm(tokens: float, h: int, e: int, shard: int) -> float:
 
 def exact_layer_bytes(counts: ModelCounts, *, s: int, b: int, t: int = 1, sp: bool = False,
                       recompute: str = "none", element: int = 2, context: int = 1,
-                      moe: bool = False, ulysses: bool = False) -> float:
+                      moe: bool = False, ulysses: bool = False, etp: int = 1,
+                      dispatched: bool = True) -> float:
     """Bytes one Llama-style layer keeps for its backward, per microbatch."""
     e, h = element, counts.hidden_size
     tokens = s * b / context
@@ -61,19 +67,32 @@ def exact_layer_bytes(counts: ModelCounts, *, s: int, b: int, t: int = 1, sp: bo
         attention = attention_in + tokens * (e * (2 * q + 2 * kv) + 4 * counts.num_heads) / t
         if ulysses:  # the output comes back through an all-to-all: a second copy
             attention += tokens * e * q / t
-    mlp = e * h * tokens + (_moe(counts, tokens, e, t) if moe
-                            else 4 * e * (counts.intermediate_size or 4 * h) * tokens / t)
+    if moe:
+        own = tokens / shard  # the block's input is not gathered: it is outside the plan
+        mlp = e * h * own + _moe(counts, own, e, t if etp > 1 else 1,
+                                 gathered=etp > 1 and sp, dispatched=dispatched)
+    else:
+        mlp = e * h * tokens + 4 * e * (counts.intermediate_size or 4 * h) * tokens / t
     return 2 * _norm(tokens, h, e, shard) + attention + mlp
 
 
-def _moe(counts: ModelCounts, tokens: float, e: int, t: int) -> float:
+def _moe(counts: ModelCounts, tokens: float, e: int, etp: int, gathered: bool,
+         dispatched: bool) -> float:
     """paraxis-moe's dispatcher: per token the router's fp32 probabilities and their
     sum (4·E + 4); per routed copy (top-k, balanced) the expert's input row, its MLP
-    (4·i), the returned row and its weighted copy (e·(3h + 4i/t)), and 52 bytes of
-    indices and weights (top-k ids, the sort, send and receive orders)."""
+    (4·i/etp), the returned row and its weighted copy (e·(3h + 4i/etp)), and 52 bytes of
+    indices and weights (top-k ids, the sort, send and receive orders). ``gathered``:
+    the split FFN's rows are the etp ranks' routed rows, its input kept for them all.
+    Not ``dispatched`` (the model's own forward): per row its input and its output
+    before weighting (e·(2h + 4i/etp)), nothing returned."""
     width = counts.expert_intermediate or counts.intermediate_size or 0
+    h = counts.hidden_size
     routed = tokens * counts.top_k
-    return routed * (e * (3 * counts.hidden_size + 4 * width / t) + 52) \
+    rows = routed * (etp if gathered else 1)
+    if not dispatched:
+        return rows * e * (2 * h + 4 * width / etp) + routed * 52 \
+            + tokens * (4 * counts.num_experts + 4)
+    return rows * e * (h + 4 * width / etp) + routed * (2 * e * h + 52) \
         + tokens * (4 * counts.num_experts + 4)
 
 

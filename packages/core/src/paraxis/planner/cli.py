@@ -55,6 +55,8 @@ def add_plan_parser(sub: Any) -> None:
         p.add_argument(f"--{axis}", type=int, help=f"{axis}-parallel degree")
     p.add_argument("--zero", type=int, choices=range(4))
     p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction)
+    p.add_argument("--expert-tensor", type=int, help="tensor ranks each expert's FFN is "
+                   "split over: 1 (experts whole) or the tensor degree")
     p.add_argument("--recompute", choices=("none", "selective", "full"))
     p.add_argument("--schedule", choices=PIPELINE_SCHEDULES)
     p.add_argument("--virtual-stages", type=int, help="model chunks per pipeline rank")
@@ -91,6 +93,7 @@ def _hardware(args: argparse.Namespace) -> Hardware:
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     opts: dict[str, Any] = {}
     for key, name in (("zero", "zero"), ("sequence_parallel", "sequence_parallel"),
+                      ("expert_tensor", "expert_tensor"),
                       ("recompute", "activation_checkpointing"),
                       ("schedule", "pipeline_schedule"), ("virtual_stages", "virtual_stages"),
                    ("context_impl", "context_mode")):

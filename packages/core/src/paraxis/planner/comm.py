@@ -13,6 +13,10 @@ data axis travel as ``Workload.grad_wire_bytes`` and ``weight_bytes``.
 * tensor: 8·b·s·h·(t-1)/t elements per layer per microbatch: Megatron-LM's 4 all-reduces
   of the b·s·h layer output per layer (g after attention and after the MLP in forward,
   f before each in backward; Shoeybi et al., arXiv:1909.08053, section 3), 2(t-1)/t each.
+  A mixture-of-experts layer without a dense (shared) MLP has only attention's 2:
+  paraxis leaves its MoE block outside the tensor plan. Under sequence parallelism the
+  experts, whole on each tensor rank (``expert_tensor`` 1), saw only their rank's tokens,
+  so their gradients are all-reduced once per step, as the norms' are.
   Sequence parallelism swaps each for an all-gather plus a reduce-scatter, the same
   volume (Korthikanti et al., section 4.2.2). Recompute replays forward collectives:
   +1 all-reduce per layer for paraxis's selective (the attention block with its
@@ -23,6 +27,13 @@ data axis travel as ``Workload.grad_wire_bytes`` and ``weight_bytes``.
 * expert: all-to-all dispatch and combine of T·k tokens of h elements, 2·T·k·h·(E-1)/E
   per MoE layer each way (forward, backward); T = b·s tokens per microbatch on the
   rank (/t with sequence parallelism, /C with context).
+* expert tensor (``expert_tensor`` = t > 1): each MoE layer's expert rows enter and
+  leave the split FFN over the tensor group: under sequence parallelism an all-gather
+  of the t ranks' rows and a reduce-scatter of the outputs, without it Megatron's f/g
+  (an all-reduce of the output forward, of the input gradient backward); either way
+  4·R·h·(t-1)/t per MoE layer per microbatch, forward and backward, R = T·k rows (T
+  with sequence parallelism undivided, since the group gathers all t shares; T alone
+  at expert degree 1 without a capacity, where the rows are the tokens themselves).
 * context: Ulysses (Jacobs et al., arXiv:2309.14509) all-to-alls q, k, v and the output,
   (2h + 2h_kv)·b·s/C·(C-1)/C per layer each way (its 4Nh/P with h_kv = h); ring
   attention (Liu et al., arXiv:2310.01889) passes each rank's K/V block around the ring,
@@ -43,7 +54,7 @@ from dataclasses import dataclass
 from paraxis.config.parallel import AXES, TOKEN_AXES, ParallelConfig
 from paraxis.planner.inputs import Workload
 from paraxis.planner.memory import BYTES_PER_PARAM
-from paraxis.planner.model import ModelCounts
+from paraxis.planner.model import LayerCount, ModelCounts
 from paraxis.planner.schedule import layout_chunks
 
 __all__ = ["AxisComm", "communication", "link_of"]
@@ -124,6 +135,15 @@ def communication(counts: ModelCounts, layout: ParallelConfig, work: Workload, *
         out.append(AxisComm("expert", "all-to-all", volume, e, link("expert"),
                             "none: dispatch waits on routing, combine on the experts",
                             "dispatch + combine per MoE layer, forward and backward"))
+    if par.expert_tensor > 1 and moe:
+        dispatched = e > 1 or layout.moe.capacity_factor is not None
+        rows = tokens * (counts.top_k if dispatched else 1)
+        passes = 4 + 2 * (sched.activation_checkpointing == "full")  # forward replayed
+        volume = passes * rows * h * (t - 1) / t * el * moe * m
+        op = "all-gather + reduce-scatter" if par.sequence_parallel else "all-reduce"
+        out.append(AxisComm("expert_tensor", op, volume, t, link("tensor"),
+                            "none: the experts wait on their rows",
+                            "rows in and outputs out per MoE layer, forward and backward"))
     if c > 1:
         out.append(_context(counts, layout, work, layers, link("context")))
     return out
@@ -144,7 +164,10 @@ def _tensor_stage(counts: ModelCounts, layout: ParallelConfig, work: Workload, r
     tokens = work.micro_batch * work.seq / par.context
     sbh = tokens * counts.hidden_size * el
     replays = {"none": 0, "selective": 1, "full": 2}[sched.activation_checkpointing]
-    per_mb = (4 + replays) * 2 * sbh * ring * len(layer_ids)
+    moe_only = sum(1 for i in layer_ids if counts.layers[i].experts
+                   and not _has_dense_mlp(counts, counts.layers[i]))
+    mlp = 2 + (sched.activation_checkpointing == "full")  # the MLP's, replays included
+    per_mb = ((4 + replays) * len(layer_ids) - mlp * moe_only) * 2 * sbh * ring
     first, last = rank == 0, rank == par.pipeline - 1
     if first:
         per_mb += 2 * sbh * ring
@@ -156,8 +179,17 @@ def _tensor_stage(counts: ModelCounts, layout: ParallelConfig, work: Workload, r
     if sp:  # norms (vectors) are replicated over tensor ranks that saw different tokens
         vectors = sum(counts.layers[i].vectors for i in layer_ids) \
             + (counts.final if last else 0)
+        if par.expert_tensor == 1:  # whole experts that saw only this rank's tokens
+            vectors += sum(counts.layers[i].experts for i in layer_ids) / par.expert
         once = 2 * vectors * BYTES_PER_PARAM[work.precision][1] * ring
     return per_mb * m + once
+
+
+def _has_dense_mlp(counts: ModelCounts, layer: LayerCount) -> bool:
+    """Whether a layer's matrices hold more than attention and a router: a dense or
+    shared-expert MLP, which the tensor plan splits."""
+    q, kv = counts.num_heads * counts.head_dim, counts.kv_heads * counts.head_dim
+    return layer.matrices > counts.hidden_size * (2 * q + 2 * kv + counts.num_experts)
 
 
 def _data(layout: ParallelConfig, work: Workload, dense: float, expert: float, link: str,

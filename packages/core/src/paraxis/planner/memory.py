@@ -10,7 +10,7 @@ scheme holds 4 + 12/N. Another optimizer than Adam changes K (SGD with momentum:
 ZeRO stage 1 divides the optimizer term by the data-parallel degree N, stage 2 also
 the gradients, stage 3 also the weights. Dense parameters are replicated, hence sharded,
 over data x expert x context; expert parameters over data x context (DESIGN
-section 2).
+section 2), and split over the tensor group when ``expert_tensor`` > 1.
 
 Activations per layer follow Korthikanti et al. (arXiv:2205.05198, Table 2), bytes for
 2-byte activations and 1-byte dropout masks (s sequence, b microbatch, h hidden, a heads,
@@ -132,14 +132,14 @@ def rank_layers(counts: ModelCounts, layout: ParallelConfig, rank: int) -> list[
 
 
 def held_params(counts: ModelCounts, layers: list[LayerCount], first: bool, last: bool,
-                 t: int, e: int, p: int) -> tuple[float, float]:
+                 t: int, e: int, p: int, etp: int = 1) -> tuple[float, float]:
     """(dense, expert) parameters this rank holds: matrices and the vocabulary split over
-    tensor, norms and biases whole; experts split over expert and whole on each tensor
-    rank (paraxis's expert parallelism keeps them whole there: no expert tensor
-    parallelism; measured by ``paraxis plan --dry-run``); a tied head is a second copy on
-    the last stage when the embedding lives on another one."""
+    tensor, norms and biases whole; experts split over expert, and over ``etp`` tensor
+    ranks (``expert_tensor``; 1: whole on each tensor rank; measured by ``paraxis plan
+    --dry-run``); a tied head is a second copy on the last stage when the embedding
+    lives on another one."""
     dense = sum(c.matrices / t + c.vectors for c in layers)
-    expert = sum(c.experts / e for c in layers)
+    expert = sum(c.experts / (e * etp) for c in layers)
     if first:
         dense += counts.embedding / t
     if last:
@@ -157,7 +157,7 @@ def rank_memory(counts: ModelCounts, layout: ParallelConfig, work: Workload,
     chunks = layout_chunks(counts, layout)[rank]
     layers = rank_layers(counts, layout, rank)
     first, last = rank == 0, rank == p - 1
-    dense, expert = held_params(counts, layers, first, last, t, e, p)
+    dense, expert = held_params(counts, layers, first, last, t, e, p, par.expert_tensor)
     weights, grads, optim = model_state_bytes(
         dense, expert, zero=par.zero, n_dense=layout.token_replicas,
         n_expert=layout.token_replicas // e,
@@ -184,7 +184,9 @@ def _activations(counts: ModelCounts, layout: ParallelConfig, work: Workload, ra
     if is_exact(counts):
         ulysses = c > 1 and par.context_mode == "ulysses"
         dense_layer = exact_layer_bytes(counts, **shape, ulysses=ulysses)
-        moe_layer = exact_layer_bytes(counts, **shape, moe=True, ulysses=ulysses)
+        dispatched = par.expert > 1 or layout.moe.capacity_factor is not None
+        moe_layer = exact_layer_bytes(counts, **shape, moe=True, ulysses=ulysses,
+                                      etp=par.expert_tensor, dispatched=dispatched)
     else:
         dense_layer = layer_activation_bytes(**shape, h=counts.hidden_size,
                                              a=counts.num_heads)
@@ -217,7 +219,7 @@ def _buffers(counts: ModelCounts, layout: ParallelConfig, work: Workload,
     """Data-parallel bucket (zero 0-2), ZeRO-3's gathered layers (the one running and the
     ``zero_prefetch`` prefetched), pipeline receive buffers (an activation and a gradient)."""
     par = layout.parallelism
-    t, e = par.tensor, par.expert
+    t, e = par.tensor, par.expert * par.expert_tensor  # what splits the experts
     w = BYTES_PER_PARAM[work.precision][0]
     out: dict[str, Any] = {}
     if layout.token_replicas > 1:

@@ -32,7 +32,7 @@ from paraxis.planner.model import ModelCounts
 
 __all__ = ["StepEstimate", "estimate_step", "model_flops_per_token"]
 
-IN_LAYER = ("tensor", "expert", "context")
+IN_LAYER = ("tensor", "expert", "expert_tensor", "context")
 
 
 @dataclass(frozen=True)
