@@ -158,6 +158,26 @@ def test_a_defect_the_probe_caught_is_a_failure_not_a_refusal():
     assert compare({"losses": [5.0]}, declined).status == "refused"
 
 
+def test_a_crash_in_the_stage_check_is_a_failure_not_a_refusal(monkeypatch):
+    """The pipeline stage check's crash (gemma3n's "KeyError: 'sliding_attention'" was
+    tallied as refused) is a defect nobody diagnosed: the cell fails. A cause found in
+    the model goes to paraxis_hf.limits and is refused at preflight instead."""
+    import paraxis
+    from paraxis.parallel.stages import StageParityError
+    from paraxis_hf.coverage import build_family, causal_lm_types
+    from paraxis_hf.coverage.checks import _train, compare
+
+    def crash(*args, **kwargs):
+        raise StageParityError("LlamaForCausalLM: a pipeline stage cannot run this "
+                               "model's forward (KeyError: 'sliding_attention')")
+
+    monkeypatch.setattr(paraxis, "parallelize", crash)
+    family = build_family("llama", causal_lm_types()["llama"])
+    result = _train("llama", family.overrides, {"pipeline": 2}, own=False)
+    assert "sliding_attention" in result["defect"] and "refused" not in result
+    assert compare({"losses": [5.0]}, [result] * 2).status == "fail"
+
+
 def test_a_drifting_run_is_passed_only_from_the_reference_weights_and_float64():
     """Gemma 4, tensor=2: 1.2e-5 off one process at step 2, equal to it from the
     reference's own weights, and one process in float32 is 2.3e-4 off float64 there

@@ -17,7 +17,9 @@ difference (an ill-conditioned model: see :func:`split_explained`), counted apar
 *refused*, a layout ``parallelize`` declines with its reason (no plan, an attention kind
 a stage cannot run, a combination an axis does not support); *fail*, a difference the
 parity probe or the run found, or a crash (a :class:`~paraxis.engine.probe.ParityError`
-is a defect caught, never a refusal).
+or a :class:`~paraxis.parallel.stages.StageParityError`, the pipeline stage check's crash
+or other logits, is a defect caught, never a refusal; a known cause is refused at
+preflight, :mod:`paraxis_hf.limits`).
 
 Functions here run on the ranks of a :class:`paraxis.testing.DistributedWorld`; they
 catch every exception so one family's failure leaves the world usable, and say so.
@@ -119,6 +121,7 @@ def _train(model_type: str, overrides: dict[str, Any], kwargs: dict[str, Any],
     import paraxis
     from paraxis import ConfigError, ParallelConfig, PlanError
     from paraxis.engine.probe import ParityError
+    from paraxis.parallel.stages import StageParityError
     from paraxis.testing.parity import local_gradients
     from paraxis_hf.coverage.families import build_model
     from paraxis_hf.shrink import SEQ, VOCAB
@@ -140,8 +143,8 @@ def _train(model_type: str, overrides: dict[str, Any], kwargs: dict[str, Any],
     try:
         engine = paraxis.parallelize(model, config=ParallelConfig.from_kwargs(**kwargs), train={
             "steps": STEPS, "lr": LR, "warmup_steps": 1, "seq_length": SEQ})
-    except ParityError as exc:  # a defect the probe caught: a failure, not a refusal
-        return {"defect": _reason(exc)}
+    except (ParityError, StageParityError) as exc:  # a defect the probe or the stage
+        return {"defect": _reason(exc)}  # check caught: a failure, never a refusal
     except (PlanError, ConfigError) as exc:
         return {"refused": _reason(exc)}
     try:
