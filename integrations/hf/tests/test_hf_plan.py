@@ -107,9 +107,12 @@ def _tiny(model_type: str, **overrides):
                      "pipeline": "per-layer inputs from the token ids"}),
     # The pipeline stage check crashed on these (it was tallied as a refusal): each is
     # now refused for its cause, read from the model.
-    ("deepseek_v4", {"pipeline": "hash routing, tid2eid"}),
+    ("deepseek_v4", {"pipeline": "hash routing, tid2eid",
+                     "sequence_parallel": "hyper-connections"}),
     ("glm_moe_dsa", {"pipeline": "prev_topk_indices"}),
-    ("hy_v4", {"pipeline": "prev_topk_indices"}),
+    # hy_v4 tensor=2 SP failed with a shape error (16x128 and 256x8): SP split its
+    # 4 residual streams (dim -2) instead of the sequence.
+    ("hy_v4", {"pipeline": "prev_topk_indices", "sequence_parallel": "hyper-connections"}),
     ("hrm_text", {"sequence_parallel": "two layer stacks"}),
     ("llama", {}),
 ])

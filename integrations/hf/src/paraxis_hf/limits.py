@@ -43,6 +43,11 @@ def _sequence_parallel(model: nn.Module) -> str | None:
         return ("the model computes per-layer inputs for the whole sequence from the "
                 "token ids before its layers and adds one to each layer's output, which "
                 "sequence parallelism cuts to 1/t of the sequence")
+    if int(getattr(model.config, "hc_mult", 1) or 1) > 1:
+        return (f"the model carries {model.config.hc_mult} streams of the hidden state "
+                "between its layers (hyper-connections: a (batch, sequence, streams, "
+                "hidden) residual), and sequence parallelism cuts the second-to-last "
+                "dimension, which there holds the streams, not the sequence")
     if _first(model, lambda m: hasattr(m, "H_module") and hasattr(m, "L_module")):
         return ("the model adds its high-level state to its low-level one between its "
                 "two layer stacks; a stack's output under sequence parallelism holds 1/t "
