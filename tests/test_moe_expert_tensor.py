@@ -66,7 +66,8 @@ def expert_bytes(expert_tensor):
     import paraxis
     from paraxis import ParallelConfig
     from paraxis_hf import build_debug_model
-    from paraxis_hf.coverage.checks import Check, _proven, shard_proof
+    from paraxis_hf.coverage.checks import Check, shard_proof
+    from paraxis_hf.coverage.shares import proven
 
     kwargs = {"tensor": 2, "sequence_parallel": True, "expert_tensor": expert_tensor}
     model = build_debug_model("mixtral")
@@ -77,7 +78,7 @@ def expert_bytes(expert_tensor):
                if ".experts." in n)
     proof = shard_proof(engine, whole)
     engine.close()
-    return held, _proven(Check("tensor=2 SP", kwargs, "tensor"), [{"proof": proof}]).cell()
+    return held, proven(Check("tensor=2 SP", kwargs, "tensor"), [{"proof": proof}]).cell()
 
 
 def test_split_experts_halve_each_ranks_expert_bytes(worlds):

@@ -149,6 +149,52 @@ def test_a_layout_cell_passes_only_with_its_shard_proof():
     assert "3 modules handed to the other stage" in compare(ref, stages, pipeline).detail
 
 
+def test_a_cell_fails_when_a_rank_holds_other_bytes_than_the_plan_gives():
+    """Bytes equal to the placements' claim and below the whole model are not enough: a
+    plan entry an axis silently skipped writes no placement (planted in paraxis_tp, the
+    logits' entry skipped: llama tensor=2 passed parity and the old proof, and failed
+    with "lm_head.weight 65,536 (expected 32,768)")."""
+    from paraxis_hf.coverage.checks import compare
+
+    tensor = next(c for c in CHECKS if c.name == "tensor=2")
+    ref = {"losses": [5.0], "norms": [9.0]}
+    want = {"bytes": 500, "split": 800, "replicated": 150, "replicated_experts": 50,
+            "elsewhere": 0, "every_stage": 0, "per_name": {"head": 100, "mlp": 400}}
+    held = {"head": 100, "mlp": 400}
+    ok = [{**ref, "proof": {**_proof(sharded=7), "expected": want, "held": held}}] * 2
+    cell = compare(ref, ok, tensor)
+    assert cell.status == "pass", cell
+    assert "0.80 of the model named by the tensor plan, split 1/2" in cell.detail
+    assert "0.20 replicated, experts 0.05 of it" in cell.detail
+    skipped = [{**ref, "proof": {**_proof(sharded=7, bytes_=600, claimed=600),
+                                 "expected": want, "held": {**held, "head": 200}}}] * 2
+    cell = compare(ref, skipped, tensor)
+    assert cell.status == "fail" and "the plan and degree give 500" in cell.detail
+    assert "head 200 (expected 100)" in cell.detail
+
+
+@pytest.mark.parametrize(("model_type", "degrees", "split", "experts_whole"), [
+    ("llama", {"tensor": 2}, 1.0, 0.0),  # every parameter but the norms is named
+    ("mixtral", {"tensor": 2}, 0.17, 0.82),  # experts stay whole over tensor
+    ("mixtral", {"expert": 2}, 0.82, 0.0),
+])
+def test_the_expected_share_is_read_from_the_plan(model_type, degrees, split, experts_whole):
+    from paraxis import make_plugin_manager
+    from paraxis.parallel.model_plan import find_plan
+    from paraxis_hf.coverage import build_family, causal_lm_types
+    from paraxis_hf.coverage.families import build_model
+    from paraxis_hf.coverage.shares import expected_share, whole_layout
+
+    family = build_family(model_type, causal_lm_types()[model_type])
+    model = build_model(model_type, family.overrides)
+    plan = find_plan(model, make_plugin_manager(), None)
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    want = expected_share(whole_layout(model), plan, degrees)
+    assert want["split"] / whole == pytest.approx(split, abs=0.01)
+    assert want["replicated_experts"] / whole == pytest.approx(experts_whole, abs=0.01)
+    assert want["bytes"] == whole - want["split"] // 2  # every split tensor divides by 2
+
+
 def test_a_defect_the_probe_caught_is_a_failure_not_a_refusal():
     from paraxis_hf.coverage.checks import compare
 
@@ -156,6 +202,26 @@ def test_a_defect_the_probe_caught_is_a_failure_not_a_refusal():
     assert compare({"losses": [5.0]}, caught).status == "fail"
     declined = [{"refused": "no tensor-parallel plan"}] * 2
     assert compare({"losses": [5.0]}, declined).status == "refused"
+
+
+def test_a_crash_in_the_stage_check_is_a_failure_not_a_refusal(monkeypatch):
+    """The pipeline stage check's crash (gemma3n's "KeyError: 'sliding_attention'" was
+    tallied as refused) is a defect nobody diagnosed: the cell fails. A cause found in
+    the model goes to paraxis_hf.limits and is refused at preflight instead."""
+    import paraxis
+    from paraxis.parallel.stages import StageParityError
+    from paraxis_hf.coverage import build_family, causal_lm_types
+    from paraxis_hf.coverage.checks import _train, compare
+
+    def crash(*args, **kwargs):
+        raise StageParityError("LlamaForCausalLM: a pipeline stage cannot run this "
+                               "model's forward (KeyError: 'sliding_attention')")
+
+    monkeypatch.setattr(paraxis, "parallelize", crash)
+    family = build_family("llama", causal_lm_types()["llama"])
+    result = _train("llama", family.overrides, {"pipeline": 2}, own=False)
+    assert "sliding_attention" in result["defect"] and "refused" not in result
+    assert compare({"losses": [5.0]}, [result] * 2).status == "fail"
 
 
 def test_a_drifting_run_is_passed_only_from_the_reference_weights_and_float64():
@@ -182,3 +248,15 @@ def test_a_drifting_run_is_passed_only_from_the_reference_weights_and_float64():
     far = [dict(ranks[0], norms=[14.36713, 13.27, 11.15292])] * 2
     assert drift_explained(ref, exact, anchored, far, compare(ref, far)).status == "fail"
     assert drift_explained(ref, exact, [], ranks, cell) == cell
+
+
+def test_the_readme_states_the_running_time_of_the_run_it_copies():
+    """The README said 11 minutes while docs/coverage.md said 7.1: the time is now copied
+    with the table, from the same run."""
+    from paraxis_hf.coverage.report import readme_table
+
+    md = ("transformers 5.24.0; the whole matrix took 9.5 minutes on 2 cores. How it is "
+          "made: ...\n| data=2 | 158 types | 157 | 1 | 0 | 0 |  |\n")
+    table = readme_table(md)
+    assert table.endswith("The last full run took 9.5 minutes on 2 cores (docs/coverage.md).")
+    assert "| `data=2` | 157 | 1 | 0 | 0 | 158 types |" in table

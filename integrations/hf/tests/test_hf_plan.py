@@ -101,8 +101,18 @@ def _tiny(model_type: str, **overrides):
 
 @pytest.mark.parametrize(("model_type", "refused"), [
     ("doge", {"tensor": "dt_proj", "context": "prepare_dynamic_mask"}),
-    ("gemma3n_text", {"tensor": "_gaussian_topk", "sequence_parallel": "per-layer inputs"}),
-    ("gemma4_text", {"sequence_parallel": "per-layer inputs"}),
+    ("gemma3n_text", {"tensor": "_gaussian_topk", "sequence_parallel": "per-layer inputs",
+                      "pipeline": "KV sharing"}),
+    ("gemma4_text", {"sequence_parallel": "per-layer inputs",
+                     "pipeline": "per-layer inputs from the token ids"}),
+    # The pipeline stage check crashed on these (it was tallied as a refusal): each is
+    # now refused for its cause, read from the model.
+    ("deepseek_v4", {"pipeline": "hash routing, tid2eid",
+                     "sequence_parallel": "hyper-connections"}),
+    ("glm_moe_dsa", {"pipeline": "prev_topk_indices"}),
+    # hy_v4 tensor=2 SP failed with a shape error (16x128 and 256x8): SP split its
+    # 4 residual streams (dim -2) instead of the sequence.
+    ("hy_v4", {"pipeline": "prev_topk_indices", "sequence_parallel": "hyper-connections"}),
     ("hrm_text", {"sequence_parallel": "two layer stacks"}),
     ("llama", {}),
 ])
@@ -113,6 +123,18 @@ def test_layouts_a_model_cannot_run_are_named_with_the_cause(model_type, refused
     assert sorted(plan.unsupported) == sorted(refused)
     for layout, cause in refused.items():
         assert cause in plan.unsupported[layout]
+
+
+def test_a_stage_refusal_fails_before_any_process_group():
+    import torch.distributed as dist
+
+    import paraxis
+    from paraxis import ConfigError
+
+    with pytest.raises(ConfigError, match=r"parallelism.pipeline = 2: .*tid2eid"):
+        paraxis.parallelize(_tiny("deepseek_v4"), pipeline=2, microbatches=2,
+                            train={"seq_length": 16})
+    assert not dist.is_initialized()
 
 
 def test_activation_sparsity_off_lets_gemma3n_shard():

@@ -49,6 +49,16 @@ def test_model_shape_from_hf_config_dict():
     assert shape.kv_heads == 4 and shape.seq_length == 64
 
 
+def test_every_spelling_of_the_expert_count_is_read():
+    """Aria spells it moe_num_experts (no attribute_map): read as 0, its expert=2 cell
+    was refused for "no experts" while its tensor cells replicated 3 blocks' experts."""
+    base = {"hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 2,
+            "vocab_size": 50}
+    for spelling in ("num_local_experts", "num_experts", "n_routed_experts",
+                     "moe_num_experts"):
+        assert ModelShape.from_hf_config({**base, spelling: 8}).num_experts == 8, spelling
+
+
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "paraxis", "validate", *args],
                           capture_output=True, text=True, timeout=60)

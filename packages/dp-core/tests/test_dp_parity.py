@@ -1,9 +1,10 @@
 """Data parallel against a single-process reference, on real gloo ranks.
 
 The reference trains the same model on the whole global batch in one process; data=N
-trains each rank on its 1/N slice and averages gradients. Per-step losses, first-step
-gradients and final parameters must agree at the shared tolerance
-(paraxis.testing.tolerance).
+trains each rank on its 1/N slice and averages gradients. Per-step losses, every
+parameter's first-step gradient on every rank (replicas equal, each parameter within the
+shared one-step rule: paraxis.testing.parity.assert_same_gradients) and final parameters
+must agree at the shared tolerance (paraxis.testing.tolerance).
 """
 
 from contextlib import nullcontext
@@ -13,12 +14,10 @@ import torch
 import torch.distributed as dist
 
 from paraxis import Grid, ParallelConfig, apply_parallelism, make_plugin_manager
+from paraxis.parallel.placement import placement_of, record_replicated
 from paraxis.testing.models import TinyConfig, TinyTransformer, causal_lm_loss, random_batches
-from paraxis.testing.tolerance import (
-    assert_losses_close,
-    assert_step_close,
-    assert_weights_close,
-)
+from paraxis.testing.parity import assert_same_gradients
+from paraxis.testing.tolerance import assert_losses_close, assert_weights_close
 
 CFG = TinyConfig(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4,
                  intermediate_size=64, seq_length=16)
@@ -26,7 +25,8 @@ STEPS, GLOBAL_BATCH, SEED, LR = 20, 8, 1234, 3e-3
 
 
 def train(rank, world, microbatches, bucket_mb, ctx=None, model=None):
-    """Train STEPS steps on this rank's slice; returns losses, first grads, params."""
+    """Train STEPS steps on this rank's slice; returns losses, the first step's
+    gradients (by name, with their placements), params."""
     batches = random_batches(STEPS, GLOBAL_BATCH, CFG, seed=SEED)
     per = GLOBAL_BATCH // world
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
@@ -48,7 +48,8 @@ def train(rank, world, microbatches, bucket_mb, ctx=None, model=None):
             dist.all_reduce(total)
             total /= world
         if step == 0:
-            first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            first_grads = {placement_of(p).name: (p.grad.clone(), placement_of(p))
+                           for p in model.parameters()}
         opt.step()
         losses.append(total.item())
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -57,7 +58,9 @@ def train(rank, world, microbatches, bucket_mb, ctx=None, model=None):
 
 def reference():
     torch.manual_seed(SEED)
-    return train(0, 1, 1, 25.0, model=TinyTransformer(CFG))[:3]
+    model = TinyTransformer(CFG)
+    record_replicated(model)  # one process: every parameter whole, named as the ranks'
+    return train(0, 1, 1, 25.0, model=model)[:3]
 
 
 def dp_rank(microbatches, bucket_mb):
@@ -75,8 +78,8 @@ def dp_rank(microbatches, bucket_mb):
     losses, grads, params, launched = train(rank, world, microbatches, bucket_mb, ctx, model)
     n_buckets = len(ctx.grad_syncs[0].buckets)
     grid.destroy()
-    # Every rank must end with identical parameters; only rank 0 ships them back.
-    return losses, (grads, params) if rank == 0 else None, launched, n_buckets
+    # Every rank ships its gradients (replicas must agree); only rank 0 its parameters.
+    return losses, grads, params if rank == 0 else None, launched, n_buckets
 
 
 @pytest.fixture(scope="module")
@@ -87,11 +90,7 @@ def ref():
 def assert_close_dicts(got, want, what, steps):
     assert got.keys() == want.keys()
     for name in want:
-        if steps == 0:  # gradients before any Adam step: one step's arithmetic
-            assert_step_close(got[name], want[name], f"{what} {name}")
-        else:
-            assert_weights_close(got[name], want[name], lr=LR, steps=steps,
-                                 what=f"{what} {name}")
+        assert_weights_close(got[name], want[name], lr=LR, steps=steps, what=f"{what} {name}")
 
 
 @pytest.mark.parametrize(("world", "microbatches", "bucket_mb"), [
@@ -105,10 +104,10 @@ def test_data_parallel_matches_single_process(worlds, ref, world, microbatches, 
     out = worlds.run(world, dp_rank, microbatches, bucket_mb)
     for losses, *_ in out:  # every rank reports the same, global, loss
         assert_losses_close(losses, ref_losses)
-    grads, params = out[0][1]
-    assert_close_dicts(grads, ref_grads, "step-0 gradient of", 0)
-    assert_close_dicts(params, ref_params, "final parameter", STEPS)
-    launched, n_buckets = out[0][2], out[0][3]
+    # Every parameter's gradient before any Adam step, from every rank.
+    assert_same_gradients([o[1] for o in out], ref_grads)
+    assert_close_dicts(out[0][2], ref_params, "final parameter", STEPS)
+    launched, n_buckets = out[0][3], out[0][4]
     if bucket_mb < 1:
         assert n_buckets > 3
         # Every bucket started from a hook during backward, none waited for finish().

@@ -10,6 +10,8 @@ loss differs" or a shape error, which names no cause.
 
 from __future__ import annotations
 
+import inspect
+
 from torch import nn
 
 __all__ = ["unsupported_layouts"]
@@ -41,6 +43,11 @@ def _sequence_parallel(model: nn.Module) -> str | None:
         return ("the model computes per-layer inputs for the whole sequence from the "
                 "token ids before its layers and adds one to each layer's output, which "
                 "sequence parallelism cuts to 1/t of the sequence")
+    if int(getattr(model.config, "hc_mult", 1) or 1) > 1:
+        return (f"the model carries {model.config.hc_mult} streams of the hidden state "
+                "between its layers (hyper-connections: a (batch, sequence, streams, "
+                "hidden) residual), and sequence parallelism cuts the second-to-last "
+                "dimension, which there holds the streams, not the sequence")
     if _first(model, lambda m: hasattr(m, "H_module") and hasattr(m, "L_module")):
         return ("the model adds its high-level state to its low-level one between its "
                 "two layer stacks; a stack's output under sequence parallelism holds 1/t "
@@ -57,9 +64,43 @@ def _context(model: nn.Module) -> str | None:
     return None
 
 
+def _hands_on(module: nn.Module, argument: str) -> bool:
+    forward = getattr(type(module), "forward", None)
+    try:
+        return forward is not None and argument in inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _pipeline(model: nn.Module) -> str | None:
+    """What a stage after the first cannot see: it receives the previous stage's hidden
+    states (as ``inputs_embeds``) and nothing else the model's forward made before or
+    between its layers."""
+    causes = []
+    if getattr(model.config, "hidden_size_per_layer_input", None):
+        causes.append("the model computes per-layer inputs from the token ids before its "
+                      "layers (get_per_layer_inputs), and a later stage receives hidden "
+                      "states, not the ids")
+    name = _first(model, lambda m: getattr(m, "is_kv_shared_layer", False) is True)
+    if name is not None:
+        causes.append(f"{name} reuses the keys and values an earlier layer computed (KV "
+                      "sharing, shared_kv_states), which a later stage does not hold")
+    name = _first(model, lambda m: hasattr(m, "tid2eid"))
+    if name is not None:
+        causes.append(f"{name} routes each token to experts by its token id (hash "
+                      "routing, tid2eid), and a later stage receives hidden states, not "
+                      "the ids")
+    name = _first(model, lambda m: _hands_on(m, "prev_topk_indices"))
+    if name is not None:
+        causes.append(f"{name} hands its attention indexer's top-k key indices to the "
+                      "next layer (prev_topk_indices), and a stage boundary carries only "
+                      "the hidden states")
+    return "; ".join(causes) or None
+
+
 def unsupported_layouts(model: nn.Module) -> dict[str, str]:
-    """Layout (``tensor``, ``sequence_parallel``, ``context``) -> why ``model`` cannot
-    run under it."""
+    """Layout (``tensor``, ``sequence_parallel``, ``pipeline``, ``context``) -> why
+    ``model`` cannot run under it."""
     found = {"tensor": _tensor(model), "sequence_parallel": _sequence_parallel(model),
-             "context": _context(model)}
+             "pipeline": _pipeline(model), "context": _context(model)}
     return {layout: why for layout, why in found.items() if why}

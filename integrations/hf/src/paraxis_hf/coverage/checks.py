@@ -9,15 +9,17 @@ batches; every parameter's gradient (gathered through the placements), the per-s
 losses and gradient norms must agree at the shared tolerance
 (:mod:`paraxis.testing.tolerance`), and a layout that shards must prove it did (the
 *shard proof*: parameters sharded or layers handed to the other stage, on every rank,
-and each rank's parameter bytes equal to what its placements claim and below the whole
-model's).
+and each rank's parameter bytes equal to what its placements claim, below the whole
+model's, and equal to what the plan and degrees give: :mod:`paraxis_hf.coverage.shares`).
 
 A cell has one of four statuses: *pass*; *explained*, a pass with a stated cause for a
 difference (an ill-conditioned model: see :func:`split_explained`), counted apart;
 *refused*, a layout ``parallelize`` declines with its reason (no plan, an attention kind
 a stage cannot run, a combination an axis does not support); *fail*, a difference the
 parity probe or the run found, or a crash (a :class:`~paraxis.engine.probe.ParityError`
-is a defect caught, never a refusal).
+or a :class:`~paraxis.parallel.stages.StageParityError`, the pipeline stage check's crash
+or other logits, is a defect caught, never a refusal; a known cause is refused at
+preflight, :mod:`paraxis_hf.limits`).
 
 Functions here run on the ranks of a :class:`paraxis.testing.DistributedWorld`; they
 catch every exception so one family's failure leaves the world usable, and say so.
@@ -119,6 +121,7 @@ def _train(model_type: str, overrides: dict[str, Any], kwargs: dict[str, Any],
     import paraxis
     from paraxis import ConfigError, ParallelConfig, PlanError
     from paraxis.engine.probe import ParityError
+    from paraxis.parallel.stages import StageParityError
     from paraxis.testing.parity import local_gradients
     from paraxis_hf.coverage.families import build_model
     from paraxis_hf.shrink import SEQ, VOCAB
@@ -127,6 +130,9 @@ def _train(model_type: str, overrides: dict[str, Any], kwargs: dict[str, Any],
     if dtype is not None:
         model = model.to(dtype)
     whole = _parameter_bytes(model.parameters())
+    from paraxis_hf.coverage.shares import whole_layout
+
+    layout = whole_layout(model)
     g = torch.Generator().manual_seed(3)
     batches = []
     for _ in range(STEPS):
@@ -140,8 +146,8 @@ def _train(model_type: str, overrides: dict[str, Any], kwargs: dict[str, Any],
     try:
         engine = paraxis.parallelize(model, config=ParallelConfig.from_kwargs(**kwargs), train={
             "steps": STEPS, "lr": LR, "warmup_steps": 1, "seq_length": SEQ})
-    except ParityError as exc:  # a defect the probe caught: a failure, not a refusal
-        return {"defect": _reason(exc)}
+    except (ParityError, StageParityError) as exc:  # a defect the probe or the stage
+        return {"defect": _reason(exc)}  # check caught: a failure, never a refusal
     except (PlanError, ConfigError) as exc:
         return {"refused": _reason(exc)}
     try:
@@ -150,7 +156,7 @@ def _train(model_type: str, overrides: dict[str, Any], kwargs: dict[str, Any],
         shares = [{"input_ids": ids[part], "labels": labels[part]} for ids, labels in batches]
         if own:
             result["paraxis"] = engine.eval_step(shares[0])
-        result["proof"] = shard_proof(engine, whole)
+        result["proof"] = shard_proof(engine, whole, layout)
         result["grads"] = local_gradients(engine, shares[0])
         history = []
         for step, share in enumerate(shares):
@@ -174,18 +180,21 @@ def _parameter_bytes(params: Any) -> int:
     return sum(p.numel() * p.element_size() for p in seen.values())
 
 
-def shard_proof(engine: Any, whole: int) -> dict[str, Any]:
+def shard_proof(engine: Any, whole: int, layout: dict[str, Any] | None = None
+                ) -> dict[str, Any]:
     """What this rank holds against the whole model: parameters its placements shard,
     layers and entries handed to other pipeline stages, the bytes it holds, the bytes
-    its placements claim, the experts left whole on every tensor rank, and the expert
-    parameters split over it (``expert_tensor`` > 1)."""
+    its placements claim, the experts left whole on every tensor rank, and (given the
+    whole model's ``layout``) the bytes the plan and the degrees say it should hold
+    (:func:`paraxis_hf.coverage.shares.expected_share`)."""
     from paraxis.parallel.placement import placement_of
     from paraxis.parallel.stages import Absent, SkipLayer
 
     params = list({id(p): p for p in engine.model.parameters()}.values())
     records = [placement_of(p) for p in params]
     kept = engine.plan.extra.get("experts_kept_whole", ())
-    return {
+    return {"expected": _expected(engine, layout), "held": {
+        n: p.numel() * p.element_size() for n, p in engine.model.named_parameters()},
         "sharded": {a: sum(a in r.sharded_axes for r in records) for a in SHARDING},
         "handed_over": sum(isinstance(m, SkipLayer | Absent) for m in engine.model.modules()),
         "bytes": _parameter_bytes(params),
@@ -196,6 +205,19 @@ def shard_proof(engine: Any, whole: int) -> dict[str, Any]:
         "experts_sharded_over_tensor": sum({"expert", "tensor"} <= set(r.sharded_axes)
                                            for r in records),
     }
+
+
+def _expected(engine: Any, layout: dict[str, Any] | None) -> dict[str, Any] | None:
+    from paraxis.parallel.stages import StageSpec
+    from paraxis_hf.coverage.shares import expected_share
+
+    if layout is None:
+        return None
+    degrees = {a: engine.grid.size(a) for a in ("tensor", "expert", "pipeline")}
+    stages = spec = None
+    if degrees["pipeline"] > 1:
+        stages, spec = engine.ctx.pipeline, StageSpec.from_plan(engine.model, engine.plan)
+    return expected_share(layout, engine.plan, degrees, stages, spec)
 
 
 def _own_losses(model: Any, ids: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
@@ -292,32 +314,9 @@ def compare(reference: dict[str, Any], results: list[dict[str, Any]],
                 assert_losses_close(r[key], reference[key], what)
             except AssertionError:
                 return Outcome("fail", _mismatch(what, r[key], reference[key]))
-    return _proven(check, results)
+    from paraxis_hf.coverage.shares import proven
 
-
-def _proven(check: Check | None, results: list[dict[str, Any]]) -> Outcome:
-    """A pass once the shard proof holds (for an axis that shards), saying what it saw."""
-    proofs = [r["proof"] for r in results if "proof" in r]
-    if check is None or check.axis not in SHARDING or len(proofs) != len(results):
-        return Outcome("pass")
-    axis = SHARDING[check.axis]
-    worst = max(p["bytes"] / p["whole"] for p in proofs)
-    for rank, p in enumerate(proofs):
-        moved = p["sharded"][axis] + (p["handed_over"] if axis == "pipeline" else 0)
-        if not moved or p["bytes"] >= p["whole"]:
-            return Outcome("fail", f"rank {rank} sharded nothing over {axis}: it holds "
-                           f"{p['bytes']:,} parameter bytes of the whole model's "
-                           f"{p['whole']:,}")
-        if p["bytes"] != p["claimed"]:
-            return Outcome("fail", f"rank {rank} holds {p['bytes']:,} parameter bytes, its "
-                           f"placements claim {p['claimed']:,}")
-    p = proofs[0]
-    moved = (f"{p['sharded'][axis]} parameters sharded" if axis != "pipeline" else
-             f"{p['handed_over']} modules handed to the other stage")
-    kept, split = p["experts_replicated_over_tensor"], p.get("experts_sharded_over_tensor", 0)
-    note = (f"; {split} expert tensors sharded over tensor" if split else
-            f"; experts of {kept} block(s) replicated over tensor" if kept else "")
-    return Outcome("pass", f"{moved}, ranks hold at most {worst:.2f} of the model{note}")
+    return proven(check, results)
 
 
 def split_explained(reference: dict[str, Any], split: dict[str, Any],

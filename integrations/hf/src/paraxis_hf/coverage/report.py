@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -84,7 +86,8 @@ def render(rows: Sequence[Row], checks: Sequence[Check], *, versions: str,
            seconds: float) -> str:
     columns = [OWN_LOSS, *[c.name for c in checks]]
     lines = [HEADER, "", "# Hugging Face causal LMs under paraxis", "",
-             f"{versions}; the whole matrix took {seconds / 60:.1f} minutes. How it is made: "
+             f"{versions}; the whole matrix took {seconds / 60:.1f} minutes on "
+             f"{os.cpu_count()} cores. How it is made: "
              "docs/architecture.md, section 11.", ""]
     lines += _summary(rows, columns)
     lines += ["", "## Matrix", "",
@@ -146,6 +149,9 @@ def readme_table(coverage_md: str) -> str:
         if column == OWN_LOSS:
             continue
         lines.append(f"| `{column}` | " + " | ".join(numbers) + f" | {denominator} |")
+    took = re.search(r"the whole matrix took ([0-9.]+ minutes[^.;]*)", coverage_md)
+    if took:  # the running time, from the same run (never typed into the README)
+        lines += ["", f"The last full run took {took.group(1)} (docs/coverage.md)."]
     return "\n".join(lines)
 
 

@@ -29,7 +29,7 @@ SIZE_SPELLINGS: dict[str, tuple[str, ...]] = {
     "vocab_size": ("vocab_size",),
     "num_key_value_heads": ("num_key_value_heads",),
     "intermediate_size": ("intermediate_size", "n_inner"),
-    "num_experts": ("num_local_experts", "num_experts", "n_routed_experts"),
+    "num_experts": ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"),
     "seq_length": ("max_position_embeddings", "n_positions", "seq_length"),
     "experts_per_token": ("num_experts_per_tok", "moe_topk", "num_experts_per_token",
                           "moe_top_k", "top_k"),

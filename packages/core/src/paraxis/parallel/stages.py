@@ -41,6 +41,7 @@ __all__ = [
     "PipelineChunks",
     "SkipLayer",
     "StageCalls",
+    "StageParityError",
     "StageSpec",
     "build_stage",
     "check_stages",
@@ -66,6 +67,13 @@ class SkipLayer(nn.Module):
 
 class AbsentModuleError(PlanError, AttributeError):
     """A stage's forward used a module another stage owns."""
+
+
+class StageParityError(PlanError):
+    """The stage check found the stages doing something else than the model (a crash,
+    other logits): a defect nobody diagnosed, not a feature a plan declines. The
+    coverage matrix counts it as a failure; a known cause belongs in the plan's
+    ``unsupported`` (refused at preflight with the cause in words)."""
 
 
 class Absent(nn.Module):
@@ -247,13 +255,13 @@ def check_stages(model: nn.Module, spec: StageSpec, ranges: list[tuple[int, int]
                                     last=s == len(ranges) - 1, calls=calls)
                 x = stage(x, **kwargs)
         except Exception as exc:
-            raise PlanError(f"{name}: a pipeline stage cannot run this model's forward "
+            raise StageParityError(f"{name}: a pipeline stage cannot run this model's forward "
                             f"({type(exc).__name__}: {exc}); refusing pipeline parallelism "
                             "rather than training something else") from exc
     scale = float(want.abs().max()) or 1.0
     diff = float((x.float() - want.float()).abs().max())
     if x.shape != want.shape or diff > rtol * scale:
-        raise PlanError(
+        raise StageParityError(
             f"{name}: its pipeline stages, fed hidden states as inputs_embeds, do not "
             f"reproduce the model's own logits (max |difference| {diff:.3g} against "
             f"{rtol * scale:.3g} allowed): its forward does something across layers "
