@@ -122,7 +122,7 @@ def write(args: argparse.Namespace, whole: int, rows: list[dict]) -> None:
         f"{args.vocab:,}; whole model {whole / GB:.2f} GB in fp32; 4 ranks, gloo; "
         f"{machine()}). Added: each rank's peak anonymous RSS from the start of the build "
         "to the end of `parallelize` (probe off), as a fraction of the whole model's fp32 "
-        "bytes; target <= 0.30 under tensor 2 x pipeline 2 (issue 24). Then one AdamW "
+        "bytes; target <= 0.30 (issue 24). Then one AdamW "
         f"step on a global batch of {args.batch} x {args.seq} tokens.",
         "",
         "| build | layout | added per rank (GB) | of whole | max | params held per rank (GB) "
@@ -140,12 +140,13 @@ def write(args: argparse.Namespace, whole: int, rows: list[dict]) -> None:
             + ", ".join(f"{o['seconds']:.1f}" for o in out) + " | "
             + f"{out[0]['loss']:.4f} |")
     if args.zero3:
-        lines += ["", "Under ZeRO-3 the materializer runs before the DATA phase (as the "
-                  "pretrained loader does), so a rank first holds its whole tensor/pipeline "
-                  "slice and ZeRO then shards it: drawing straight into ZeRO-3 shards is "
-                  "not done yet. Both builds peak above the whole model while ZeRO-3 "
-                  "shards it; at the 0.40B default one rank reached 4.2 GB of anonymous "
-                  "RSS and the kernel's OOM killer ended the run on this 23 GB machine."]
+        lines += ["", "Under ZeRO-3 the deferred build draws each rank's dim-0 chunk of "
+                  "every tensor straight into its flat shard (the materializer's `fill`: "
+                  "only the init tiles that overlap the chunk are drawn), so a rank adds "
+                  "about its quarter of the model; the whole build adds the whole model on "
+                  "every rank before ZeRO shards it. Before this (each rank made its "
+                  "whole tensors, then ZeRO sharded them) the "
+                  "deferred build peaked at 1.175 of the whole model at 0.12B."]
     else:
         lines += ["", "The deferred ranks add what they hold (their tensor x pipeline "
                   "share, the embedding and head stages a little more); the whole build "

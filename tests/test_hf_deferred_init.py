@@ -13,7 +13,8 @@ data 2). A rank that drew its slice from its own seed, as Megatron does, fails t
 (``test_a_rank_local_seed_is_caught`` plants that bug). Memory: each rank of a two-way
 split allocates exactly its parameters' bytes, under 0.6 of the whole model, and its
 peak anonymous memory while the model is built and laid out stays under 0.75 of it;
-under tensor 2 x pipeline 2 a 0.13B model costs each rank at most 0.30 of it.
+under tensor 2 x pipeline 2 and under ZeRO-3 over data 4 (each rank drawing its shard
+alone) a 0.13B model costs each rank at most 0.30 of it.
 Training: a few steps from the deferred model match one process at the shared tolerance,
 and so does ``paraxis train`` of a family from config."""
 
@@ -163,6 +164,18 @@ def test_a_100m_model_costs_each_rank_under_0_3_of_it(worlds):
     """Tensor 2 x pipeline 2: each rank adds at most 0.30 of the whole model's fp32
     bytes while it is built and laid out (benchmarks/construct_memory.py, at 0.40B)."""
     options = {"tensor": 2, "pipeline": 2, "microbatches": 2}
+    total = whole_bytes(LARGE)
+    out = worlds.run(4, construction, options, LARGE)
+    report(options, total, out)
+    for allocated, peak, held in out:
+        assert allocated == held and peak <= 0.30 * total
+
+
+def test_a_100m_model_under_zero3_costs_each_rank_under_0_3_of_it(worlds):
+    """ZeRO-3 over data 4: each rank draws its dim-0 chunk of every tensor straight into
+    its shard (only the init tiles that overlap it), so it adds at most 0.30 of the whole
+    model's fp32 bytes while it is built and laid out, never the whole tensor."""
+    options = {"data": 4, "zero": 3}
     total = whole_bytes(LARGE)
     out = worlds.run(4, construction, options, LARGE)
     report(options, total, out)

@@ -38,7 +38,7 @@ from paraxis.parallel.stages import chunks_of
 from paraxis.parallel.strategy import SyncOrder
 from paraxis.runtime.grid import Grid
 from paraxis_zero.layout import ShardLayout
-from paraxis_zero.sharded_unit import ShardedUnit
+from paraxis_zero.sharded_unit import Fill, ShardedUnit
 from paraxis_zero.units import find_units
 from paraxis_zero.whole import WHOLE_BELOW, WholeReducer, keep_whole
 
@@ -54,6 +54,19 @@ def _layouts(params: list[nn.Parameter], grid: Grid) -> list[ShardLayout]:
             for (axes, _), ps in by_key.items()]
 
 
+@torch.no_grad()
+def _draw_whole(p: nn.Parameter, fill: Fill, device: torch.device | None) -> None:
+    """A parameter ZeRO keeps whole, still on the meta device: its local tensor."""
+    if not p.is_meta:
+        return
+    rec = placement_of(p)
+    local = torch.zeros(rec.local_shape, dtype=p.dtype, device=device)
+    fill(rec, local)
+    new = nn.Parameter(local, requires_grad=p.requires_grad)
+    new.__dict__.update(p.__dict__)
+    torch.utils.swap_tensors(p, new)
+
+
 class ShardedParameters:
     """Gradient synchronizer and shard owner for ZeRO stage 3 (``SyncOrder.DATA``)."""
 
@@ -61,10 +74,14 @@ class ShardedParameters:
 
     def __init__(self, model: nn.Module, *, grid: Grid, plan: ModelPlan | None,
                  bucket_bytes: int, whole_below: int = WHOLE_BELOW, prefetch: bool = True,
-                 wire_dtype: torch.dtype | None = None):
+                 wire_dtype: torch.dtype | None = None, fill: Fill | None = None,
+                 device: torch.device | None = None):
         self.grid, self.prefetch, self._sync = grid, prefetch, True
         params = [p for p in model.parameters() if p.requires_grad]
         self.whole_params = [p for p in params if keep_whole(p, grid, whole_below)]
+        if fill is not None:  # a deferred model: whole ones first (the buckets read them)
+            for p in self.whole_params:
+                _draw_whole(p, fill, device)
         self.whole = WholeReducer(self.whole_params, grid, bucket_bytes, wire_dtype)
         sharded = [p for p in params if not keep_whole(p, grid, whole_below)]
         self.units: list[ShardedUnit] = []  # forward order; the roots first
@@ -76,10 +93,12 @@ class ShardedParameters:
             left -= {id(p) for p in mine}
             specs, rest = find_units(chunk, plan, mine)
             root = ShardedUnit("root", chunk, _layouts(rest, grid), wire_dtype=wire_dtype,
-                               reshard_after_forward=False) if rest else None
+                               reshard_after_forward=False, fill=fill,
+                               device=device) if rest else None
             self.roots[id(chunk)] = root
             units = [ShardedUnit(s.name, s.module, _layouts(s.params, grid),
-                                 wire_dtype=wire_dtype) for s in specs]
+                                 wire_dtype=wire_dtype, fill=fill, device=device)
+                     for s in specs]
             self._hook_root(chunk, root, units[0] if units else None)
             for unit in units:
                 self._hook(unit)
