@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import sys
 import time
 
 import torch
@@ -53,7 +54,9 @@ def measure(args: argparse.Namespace, how: str, options: dict) -> dict:
         model = build_causal_lm("llama", llama_config(args), deferred=how == "deferred",
                                 seed=0)
         engine = paraxis.parallelize(model, **options, verify=False, train={
-            "steps": 1, "lr": 1e-4, "seq_length": args.seq})
+            "steps": 1, "lr": 1e-4, "seq_length": args.seq, "optimizer": args.optimizer,
+            # plain SGD: no state beside the parameters
+            "optimizer_kwargs": {"momentum": 0.0} if args.optimizer == "sgd" else {}})
         seconds = time.perf_counter() - start
     held = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     index, count = engine.grid.sample_shard()
@@ -85,6 +88,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4, help="global batch of the one step")
     p.add_argument("--zero3", action="store_true",
                    help="measure ZeRO-3 over data 4 instead (deferred and whole)")
+    p.add_argument("--builds", nargs="+", default=["deferred", "whole"],
+                   choices=["deferred", "whole"], help="which builds to measure")
+    p.add_argument("--optimizer", default="adamw", help="train.optimizer of the one step")
+    p.add_argument("--name", default="", help="suffix of the RESULTS.md section")
     p.add_argument("--no-write", action="store_true", help="do not update RESULTS.md")
     args = p.parse_args()
     layout = ZERO3 if args.zero3 else TP2_PP2
@@ -94,7 +101,7 @@ def main() -> None:
     rows = []
     tiny = argparse.Namespace(**{**vars(args), "hidden": 64, "intermediate": 128,
                                  "vocab": 256})
-    for how in ("deferred", "whole"):
+    for how in args.builds:
         # A fresh world each: memory one build freed stays in the ranks' heaps and
         # would hide the next build's.
         with DistributedWorld(4, timeout=1800) as world:
@@ -109,8 +116,7 @@ def main() -> None:
 
 
 def write(args: argparse.Namespace, whole: int, rows: list[dict]) -> None:
-    flags = (f" --zero3 --hidden {args.hidden} --intermediate {args.intermediate}"
-             if args.zero3 else "")
+    flags = "".join(f" {a}" for a in sys.argv[1:] if a != "--no-write")
     lines = [
         f"## Construction memory: a model from config, deferred against whole, "
         f"{rows[0]['layout']}",
@@ -122,7 +128,7 @@ def write(args: argparse.Namespace, whole: int, rows: list[dict]) -> None:
         f"{args.vocab:,}; whole model {whole / GB:.2f} GB in fp32; 4 ranks, gloo; "
         f"{machine()}). Added: each rank's peak anonymous RSS from the start of the build "
         "to the end of `parallelize` (probe off), as a fraction of the whole model's fp32 "
-        "bytes; target <= 0.30 (issue 24). Then one AdamW "
+        f"bytes; target <= 0.30 (issue 24). Then one {args.optimizer} "
         f"step on a global batch of {args.batch} x {args.seq} tokens.",
         "",
         "| build | layout | added per rank (GB) | of whole | max | params held per rank (GB) "
@@ -139,7 +145,17 @@ def write(args: argparse.Namespace, whole: int, rows: list[dict]) -> None:
             + ", ".join(f"{o['held'] / GB:.2f}" for o in out) + " | "
             + ", ".join(f"{o['seconds']:.1f}" for o in out) + " | "
             + f"{out[0]['loss']:.4f} |")
-    if args.zero3:
+    if "whole" not in args.builds:
+        held = max(o["held"] for row in rows for o in row["ranks"])
+        lines += ["", "Only the deferred build ran: the whole build adds the whole model on "
+                  f"every rank ({4 * whole / GB:.1f} GB of fp32 over the 4 ranks) before the "
+                  "axes cut it, more than this shared 23 GB machine spares beside the "
+                  "step."]
+        if args.optimizer != "adamw":
+            lines += ["", f"The step uses {args.optimizer} (no momentum: no state): AdamW's two "
+                      "fp32 states would "
+                      f"add up to {2 * held / GB:.2f} GB a rank (the parameters held)."]
+    elif args.zero3:
         lines += ["", "Under ZeRO-3 the deferred build draws each rank's dim-0 chunk of "
                   "every tensor straight into its flat shard (the materializer's `fill`: "
                   "only the init tiles that overlap the chunk are drawn), so a rank adds "
@@ -154,7 +170,7 @@ def write(args: argparse.Namespace, whole: int, rows: list[dict]) -> None:
                   "was not run: its training step needs about 16 GB over the 4 ranks, "
                   "more than this shared machine spares."]
     if not args.no_write:
-        name = "construct_memory" + ("_zero3" if args.zero3 else "")
+        name = "construct_memory" + ("_zero3" if args.zero3 else "") + args.name
         write_section(name, "\n".join(lines), {"whole": whole, "rows": rows,
                                                "args": vars(args)})
 

@@ -4,8 +4,8 @@
 It applies last, once every other axis has fixed parameter shapes and placements, so it
 shards what tensor parallelism left on this rank (the tensor-local pieces) and, under a
 pipeline, the stage's own parameters. It broadcasts parameters and buffers from each
-replica group's first rank (as DDP does; a deferred model's draws are the same everywhere and are not broadcast),
-then shards: stages 1 and 2 through
+replica group's first rank (as DDP does; a deferred model's draws, the same everywhere,
+are not broadcast), then shards: stages 1 and 2 through
 :class:`~paraxis_zero.stage12.ShardedOptimizerSync`, stage 3 through
 :class:`~paraxis_zero.stage3.ShardedParameters`, which draws a deferred model's shards
 itself (the materializer's ``fill``), so no rank makes a whole tensor. Its optimizer
