@@ -189,6 +189,15 @@ class ShardedUnit:
             self.reducing.append(work)
         self.prepared = False
 
+    def release_send(self) -> None:
+        """Wait for the reduce-scatters and free their send buffers; the reduced shards
+        wait in the flat gradient buffer for :meth:`wait_reduce`."""
+        for work in self.reducing:
+            work.wait()
+        self.reducing.clear()
+        for f in self.flats:
+            f.send = None
+
     def wait_reduce(self) -> None:
         """Wait for the reduce-scatters; the shards' gradients are views of the result
         (call when sharded, so each parameter has its shard's shape)."""

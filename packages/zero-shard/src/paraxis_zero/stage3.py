@@ -67,6 +67,10 @@ def _draw_whole(p: nn.Parameter, fill: Fill, device: torch.device | None) -> Non
     torch.utils.swap_tensors(p, new)
 
 
+# Reduce-scatters whose send buffers may be alive at once during backward.
+IN_FLIGHT = 2
+
+
 class ShardedParameters:
     """Gradient synchronizer and shard owner for ZeRO stage 3 (``SyncOrder.DATA``)."""
 
@@ -108,6 +112,7 @@ class ShardedParameters:
         self._handles += [p.register_post_accumulate_grad_hook(self._on_grad)
                           for p in self._unit_of]
         self._next = 0  # next unit (backward order) whose reduce-scatter may start
+        self._released = 0  # units before it (backward order) hold no send buffer
 
     def optimizer_params(self) -> list[nn.Parameter]:
         return [p for u in self.units for p in u.params] + self.whole_params
@@ -177,6 +182,13 @@ class ShardedParameters:
         while self._next < len(order) and order[self._next].prepared:
             order[self._next].launch_reduce()
             self._next += 1
+        # At most IN_FLIGHT units' send buffers (whole gradients) stay alive: an older
+        # reduce-scatter is waited for and its input freed (FSDP2 bounds them the same
+        # way); else every unit's whole gradient lived until finish(), the whole
+        # model's gradient on every rank at the end of backward.
+        while self._released < self._next - IN_FLIGHT:
+            order[self._released].release_send()
+            self._released += 1
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -195,7 +207,7 @@ class ShardedParameters:
             if not unit.prepared:
                 unit.prepare_reduce()
             unit.launch_reduce()
-        self._next = 0
+        self._next = self._released = 0
         start = time.perf_counter()
         for unit in self._backward_order:
             unit.ready.clear()
