@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 import time
 
@@ -34,6 +35,11 @@ from paraxis.testing.memory import AnonPeak
 GB = 1e9
 TP2_PP2 = ("tensor 2 x pipeline 2", {"tensor": 2, "pipeline": 2, "microbatches": 2})
 ZERO3 = ("ZeRO-3 over data 4", {"data": 4, "zero": 3})
+# glibc's malloc raises its mmap threshold (up to 32 MB) each time a larger mmapped block
+# is freed; then ZeRO-3's gathered layers come from the heap, which keeps what they
+# free: a 0.12B step over data 4 added 1.4-1.5 GB a rank, 0.5-0.6 GB with the threshold
+# fixed. The 1B runs fix it (recorded with the command).
+MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
 
 def llama_config(args: argparse.Namespace) -> dict:
@@ -117,11 +123,12 @@ def main() -> None:
 
 def write(args: argparse.Namespace, whole: int, rows: list[dict]) -> None:
     flags = "".join(f" {a}" for a in sys.argv[1:] if a != "--no-write")
+    env = "".join(f"{k}={os.environ[k]} " for k in MALLOC_ENV if k in os.environ)
     lines = [
         f"## Construction memory: a model from config, deferred against whole, "
         f"{rows[0]['layout']}",
         "",
-        f"`python benchmarks/construct_memory.py{flags}` (Llama from config: "
+        f"`{env}python benchmarks/construct_memory.py{flags}` (Llama from config: "
         f"{whole / 4 / 1e9:.2f}B "
         f"parameters, hidden {args.hidden}, intermediate {args.intermediate}, "
         f"{args.layers} layers, {args.heads} heads / {args.heads // 4} kv heads, vocabulary "
@@ -166,9 +173,10 @@ def write(args: argparse.Namespace, whole: int, rows: list[dict]) -> None:
     else:
         lines += ["", "The deferred ranks add what they hold (their tensor x pipeline "
                   "share, the embedding and head stages a little more); the whole build "
-                  "adds the whole model on every rank before the axes cut it. A 1B model "
-                  "was not run: its training step needs about 16 GB over the 4 ranks, "
-                  "more than this shared machine spares."]
+                  "adds the whole model on every rank before the axes cut it. A 1.1B "
+                  "Llama is measured deferred in the construct_memory_1b section (tensor "
+                  "2 x pipeline 2, 0.271) and construct_memory_zero3_1b (ZeRO-3 over data "
+                  "4, 0.250)."]
     if not args.no_write:
         name = "construct_memory" + ("_zero3" if args.zero3 else "") + args.name
         write_section(name, "\n".join(lines), {"whole": whole, "rows": rows,
