@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
+import sys
 import time
 
 import torch
@@ -33,6 +35,11 @@ from paraxis.testing.memory import AnonPeak
 GB = 1e9
 TP2_PP2 = ("tensor 2 x pipeline 2", {"tensor": 2, "pipeline": 2, "microbatches": 2})
 ZERO3 = ("ZeRO-3 over data 4", {"data": 4, "zero": 3})
+# glibc's malloc raises its mmap threshold (up to 32 MB) each time a larger mmapped block
+# is freed; then ZeRO-3's gathered layers come from the heap, which keeps what they
+# free: a 0.12B step over data 4 added 1.4-1.5 GB a rank, 0.5-0.6 GB with the threshold
+# fixed. The 1B runs fix it (recorded with the command).
+MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
 
 def llama_config(args: argparse.Namespace) -> dict:
@@ -53,7 +60,9 @@ def measure(args: argparse.Namespace, how: str, options: dict) -> dict:
         model = build_causal_lm("llama", llama_config(args), deferred=how == "deferred",
                                 seed=0)
         engine = paraxis.parallelize(model, **options, verify=False, train={
-            "steps": 1, "lr": 1e-4, "seq_length": args.seq})
+            "steps": 1, "lr": 1e-4, "seq_length": args.seq, "optimizer": args.optimizer,
+            # plain SGD: no state beside the parameters
+            "optimizer_kwargs": {"momentum": 0.0} if args.optimizer == "sgd" else {}})
         seconds = time.perf_counter() - start
     held = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     index, count = engine.grid.sample_shard()
@@ -85,6 +94,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4, help="global batch of the one step")
     p.add_argument("--zero3", action="store_true",
                    help="measure ZeRO-3 over data 4 instead (deferred and whole)")
+    p.add_argument("--builds", nargs="+", default=["deferred", "whole"],
+                   choices=["deferred", "whole"], help="which builds to measure")
+    p.add_argument("--optimizer", default="adamw", help="train.optimizer of the one step")
+    p.add_argument("--name", default="", help="suffix of the RESULTS.md section")
     p.add_argument("--no-write", action="store_true", help="do not update RESULTS.md")
     args = p.parse_args()
     layout = ZERO3 if args.zero3 else TP2_PP2
@@ -94,7 +107,7 @@ def main() -> None:
     rows = []
     tiny = argparse.Namespace(**{**vars(args), "hidden": 64, "intermediate": 128,
                                  "vocab": 256})
-    for how in ("deferred", "whole"):
+    for how in args.builds:
         # A fresh world each: memory one build freed stays in the ranks' heaps and
         # would hide the next build's.
         with DistributedWorld(4, timeout=1800) as world:
@@ -109,20 +122,20 @@ def main() -> None:
 
 
 def write(args: argparse.Namespace, whole: int, rows: list[dict]) -> None:
-    flags = (f" --zero3 --hidden {args.hidden} --intermediate {args.intermediate}"
-             if args.zero3 else "")
+    flags = "".join(f" {a}" for a in sys.argv[1:] if a != "--no-write")
+    env = "".join(f"{k}={os.environ[k]} " for k in MALLOC_ENV if k in os.environ)
     lines = [
         f"## Construction memory: a model from config, deferred against whole, "
         f"{rows[0]['layout']}",
         "",
-        f"`python benchmarks/construct_memory.py{flags}` (Llama from config: "
+        f"`{env}python benchmarks/construct_memory.py{flags}` (Llama from config: "
         f"{whole / 4 / 1e9:.2f}B "
         f"parameters, hidden {args.hidden}, intermediate {args.intermediate}, "
         f"{args.layers} layers, {args.heads} heads / {args.heads // 4} kv heads, vocabulary "
         f"{args.vocab:,}; whole model {whole / GB:.2f} GB in fp32; 4 ranks, gloo; "
         f"{machine()}). Added: each rank's peak anonymous RSS from the start of the build "
         "to the end of `parallelize` (probe off), as a fraction of the whole model's fp32 "
-        "bytes; target <= 0.30 under tensor 2 x pipeline 2 (issue 24). Then one AdamW "
+        f"bytes; target <= 0.30 (issue 24). Then one {args.optimizer} "
         f"step on a global batch of {args.batch} x {args.seq} tokens.",
         "",
         "| build | layout | added per rank (GB) | of whole | max | params held per rank (GB) "
@@ -139,21 +152,33 @@ def write(args: argparse.Namespace, whole: int, rows: list[dict]) -> None:
             + ", ".join(f"{o['held'] / GB:.2f}" for o in out) + " | "
             + ", ".join(f"{o['seconds']:.1f}" for o in out) + " | "
             + f"{out[0]['loss']:.4f} |")
-    if args.zero3:
-        lines += ["", "Under ZeRO-3 the materializer runs before the DATA phase (as the "
-                  "pretrained loader does), so a rank first holds its whole tensor/pipeline "
-                  "slice and ZeRO then shards it: drawing straight into ZeRO-3 shards is "
-                  "not done yet. Both builds peak above the whole model while ZeRO-3 "
-                  "shards it; at the 0.40B default one rank reached 4.2 GB of anonymous "
-                  "RSS and the kernel's OOM killer ended the run on this 23 GB machine."]
+    if "whole" not in args.builds:
+        held = max(o["held"] for row in rows for o in row["ranks"])
+        lines += ["", "Only the deferred build ran: the whole build adds the whole model on "
+                  f"every rank ({4 * whole / GB:.1f} GB of fp32 over the 4 ranks) before the "
+                  "axes cut it, more than this shared 23 GB machine spares beside the "
+                  "step."]
+        if args.optimizer != "adamw":
+            lines += ["", f"The step uses {args.optimizer} (no momentum: no state): AdamW's two "
+                      "fp32 states would "
+                      f"add up to {2 * held / GB:.2f} GB a rank (the parameters held)."]
+    elif args.zero3:
+        lines += ["", "Under ZeRO-3 the deferred build draws each rank's dim-0 chunk of "
+                  "every tensor straight into its flat shard (the materializer's `fill`: "
+                  "only the init tiles that overlap the chunk are drawn), so a rank adds "
+                  "about its quarter of the model; the whole build adds the whole model on "
+                  "every rank before ZeRO shards it. Before this (each rank made its "
+                  "whole tensors, then ZeRO sharded them) the "
+                  "deferred build peaked at 1.175 of the whole model at 0.12B."]
     else:
         lines += ["", "The deferred ranks add what they hold (their tensor x pipeline "
                   "share, the embedding and head stages a little more); the whole build "
-                  "adds the whole model on every rank before the axes cut it. A 1B model "
-                  "was not run: its training step needs about 16 GB over the 4 ranks, "
-                  "more than this shared machine spares."]
+                  "adds the whole model on every rank before the axes cut it. A 1.1B "
+                  "Llama is measured deferred in the construct_memory_1b section (tensor "
+                  "2 x pipeline 2, 0.271) and construct_memory_zero3_1b (ZeRO-3 over data "
+                  "4, 0.250)."]
     if not args.no_write:
-        name = "construct_memory" + ("_zero3" if args.zero3 else "")
+        name = "construct_memory" + ("_zero3" if args.zero3 else "") + args.name
         write_section(name, "\n".join(lines), {"whole": whole, "rows": rows,
                                                "args": vars(args)})
 

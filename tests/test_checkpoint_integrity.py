@@ -124,7 +124,7 @@ def test_inspect_shows_the_grid_and_verifies(saved):
     out = subprocess.run([sys.executable, "-m", "paraxis", "checkpoint", "inspect",
                           str(ckpt), "--verify"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "step 2, format 3" in out.stdout and "model/embed.tokens.weight" in out.stdout
+    assert "step 2, format 4" in out.stdout and "model/embed.tokens.weight" in out.stdout
     assert "verified: every file has its recorded size and SHA-256" in out.stdout
     _flip(step_dir / "rank00000.safetensors", -50)
     bad = subprocess.run([sys.executable, "-m", "paraxis", "checkpoint", "inspect",

@@ -52,7 +52,7 @@ def test_checkpoint_directory_format(tmp_path):
     # The atomic write left nothing else behind (no .tmp-, .old- or .part files).
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-00000003"]
     index = json.loads((step_dir / "index.json").read_text())
-    assert index["format_version"] == 3 and index["step"] == 3
+    assert index["format_version"] == 4 and index["step"] == 3
     assert set(index["files"]) == {"rank00000.safetensors", "rank00001.safetensors"}
     assert all(len(f["sha256"]) == 64 and f["bytes"] > 0 for f in index["files"].values())
     assert index["grid"]["degrees"]["data"] == 2 and len(index["grid"]["coords"]) == 2

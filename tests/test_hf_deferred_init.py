@@ -13,7 +13,8 @@ data 2). A rank that drew its slice from its own seed, as Megatron does, fails t
 (``test_a_rank_local_seed_is_caught`` plants that bug). Memory: each rank of a two-way
 split allocates exactly its parameters' bytes, under 0.6 of the whole model, and its
 peak anonymous memory while the model is built and laid out stays under 0.75 of it;
-under tensor 2 x pipeline 2 a 0.13B model costs each rank at most 0.30 of it.
+under tensor 2 x pipeline 2 and under ZeRO-3 over data 4 (each rank drawing its shard
+alone) a 0.13B model costs each rank at most 0.30 of it.
 Training: a few steps from the deferred model match one process at the shared tolerance,
 and so does ``paraxis train`` of a family from config."""
 
@@ -170,6 +171,18 @@ def test_a_100m_model_costs_each_rank_under_0_3_of_it(worlds):
         assert allocated == held and peak <= 0.30 * total
 
 
+def test_a_100m_model_under_zero3_costs_each_rank_under_0_3_of_it(worlds):
+    """ZeRO-3 over data 4: each rank draws its dim-0 chunk of every tensor straight into
+    its shard (only the init tiles that overlap it), so it adds at most 0.30 of the whole
+    model's fp32 bytes while it is built and laid out, never the whole tensor."""
+    options = {"data": 4, "zero": 3}
+    total = whole_bytes(LARGE)
+    out = worlds.run(4, construction, options, LARGE)
+    report(options, total, out)
+    for allocated, peak, held in out:
+        assert allocated == held and peak <= 0.30 * total
+
+
 def train_deferred(family, options):
     model = deferred_model(family)
     engine = paraxis.parallelize(model, config=ParallelConfig.from_kwargs(**options), train={
@@ -183,8 +196,11 @@ def train_deferred(family, options):
 
 @pytest.mark.parametrize(("family", "options"), [
     ("llama", {"pipeline": 2, "tensor": 2, "microbatches": 2}),
-    ("gpt2", {"data": 2, "zero": 3}), ("mixtral", {"expert": 2})],
-    ids=["llama-pipeline2xtensor2", "gpt2-zero3data2", "mixtral-expert2"])
+    ("gpt2", {"data": 2, "zero": 3}), ("mixtral", {"expert": 2}),
+    # Activation checkpointing wraps the meta model; ZeRO-3 then draws its shards.
+    ("llama", {"data": 2, "zero": 3, "activation_checkpointing": "full"})],
+    ids=["llama-pipeline2xtensor2", "gpt2-zero3data2", "mixtral-expert2",
+         "llama-zero3data2-recompute"])
 def test_training_from_the_deferred_model_equals_one_process(worlds, family, options):
     want, _ = worlds.run(1, train_deferred, family, {})[0]
     size = ParallelConfig.from_kwargs(**options).world_size

@@ -27,7 +27,7 @@ from torch import nn
 from paraxis.parallel.placement import Piece, Placement, placement_of
 from paraxis_hf.invariant_init import InitRule, piece_values
 
-__all__ = ["InvariantInit", "fill_meta_parameters", "meta_model"]
+__all__ = ["InvariantInit", "fill_local", "fill_meta_parameters", "meta_model"]
 
 
 @contextlib.contextmanager
@@ -107,6 +107,17 @@ def _row_chunks(piece: Piece) -> list[Piece]:
 
 
 @torch.no_grad()
+def fill_local(out: torch.Tensor, rec: Placement,
+               value: Callable[[Placement, Piece], torch.Tensor]) -> None:
+    """Write each real block of ``rec`` (a tensor of ``rec.local_shape``: a tensor
+    shard, or a ZeRO-3 shard of one) into ``out``, from ``value(rec, piece)`` in row
+    chunks; padding rows are left as they are."""
+    for piece in rec.pieces():
+        for part in _row_chunks(piece):
+            out[part.local] = value(rec, part)
+
+
+@torch.no_grad()
 def fill_meta_parameters(model: nn.Module, device: torch.device,
                          value: Callable[[Placement, Piece], torch.Tensor]) -> int:
     """Give every meta parameter of ``model`` its local tensor on ``device``, each piece
@@ -119,9 +130,7 @@ def fill_meta_parameters(model: nn.Module, device: torch.device,
             continue
         rec = placement_of(param)
         local = torch.zeros(rec.local_shape, dtype=param.dtype, device=device)
-        for piece in rec.pieces():
-            for part in _row_chunks(piece):
-                local[part.local] = value(rec, part)
+        fill_local(local, rec, value)
         new = nn.Parameter(local, requires_grad=param.requires_grad)
         new.__dict__.update(param.__dict__)  # the placement and anything else set
         torch.utils.swap_tensors(param, new)
@@ -149,6 +158,12 @@ class InvariantInit:
         return piece_values(rule, seed=self.seed, name=rec.name,
                             global_shape=rec.global_shape, where=piece.where,
                             dtype=rec.dtype)
+
+    def fill(self, rec: Placement, out: torch.Tensor) -> None:
+        """``rec``'s values into ``out`` (``MATERIALIZE_ATTR``'s ``fill``: ZeRO-3 draws
+        its shard alone, only the tiles that overlap it)."""
+        fill_local(out, rec, self.value)
+        self.allocated_bytes += out.numel() * out.element_size()
 
     def __call__(self, model: nn.Module) -> None:
         from paraxis.runtime.world import device_for_rank

@@ -24,7 +24,7 @@ from torch import nn
 
 from paraxis.parallel.placement import Piece, Placement
 from paraxis.parallel.strategy import MATERIALIZE_ATTR
-from paraxis_hf.materialize import fill_meta_parameters, meta_model
+from paraxis_hf.materialize import fill_local, fill_meta_parameters, meta_model
 
 __all__ = ["SafetensorsDir", "from_pretrained"]
 
@@ -66,6 +66,11 @@ class _Loader:
 
     def value(self, rec: Placement, piece: Piece) -> torch.Tensor:
         return self.files.slice(rec.name)[piece.where]
+
+    def fill(self, rec: Placement, out: torch.Tensor) -> None:
+        """``rec``'s slices into ``out`` (ZeRO-3 reads its shard alone)."""
+        fill_local(out, rec, self.value)
+        self.loaded_bytes += out.numel() * out.element_size()
 
     def __call__(self, model: nn.Module) -> None:
         from paraxis.runtime.world import device_for_rank

@@ -16,6 +16,11 @@ resizes it back (FSDP's trick, arXiv:2304.11277 section 4): views autograd saved
 forward (a transposed weight) point at the same storage, so they see the gathered
 values again in backward, and nothing saved keeps a full copy alive in between.
 
+A deferred model's parameters may still be on the meta device (their values a
+function of (seed, name, element), or slices of a file): then ``fill`` (the
+materializer's, ``paraxis.parallel.strategy.MATERIALIZE_ATTR``) writes this rank's
+chunk straight into the shard buffer, and the whole tensor never exists on the rank.
+
 Gradients: when backward has produced every parameter's gradient, they are copied
 rank-major into a send buffer and freed, and one reduce-scatter per group averages
 them into the unit's flat gradient buffer, whose views become the shards' gradients.
@@ -23,16 +28,20 @@ them into the unit's flat gradient buffer, whose views become the shards' gradie
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from paraxis.parallel.placement import placement_of, set_placement
+from paraxis.parallel.placement import Placement, placement_of, set_placement
 from paraxis.runtime.collectives import Pending, all_gather_into, reduce_scatter_into
 from paraxis_zero.layout import ShardLayout
 
-__all__ = ["ShardedUnit"]
+__all__ = ["Fill", "ShardedUnit"]
+
+# A materializer's ``fill(record, out)``: the real blocks of ``record`` into ``out``.
+Fill = Callable[[Placement, torch.Tensor], None]
 
 SHARDED, GATHERING, GATHERED = "sharded", "gathering", "gathered"
 
@@ -43,7 +52,7 @@ class _Flat:
 
     layout: ShardLayout
     shard: torch.Tensor  # this rank's chunks (the parameters between uses)
-    grad: torch.Tensor  # the shards' reduced gradients
+    grad: torch.Tensor | None  # the shards' reduced gradients (made at the first reduce)
     full: torch.Tensor  # every parameter whole, natural layout; storage freed when sharded
     shards: list[torch.Tensor] = field(default_factory=list)
     wholes: list[torch.Tensor] = field(default_factory=list)
@@ -64,10 +73,11 @@ class ShardedUnit:
     in place at construction."""
 
     def __init__(self, name: str, module: nn.Module, layouts: list[ShardLayout], *,
-                 reshard_after_forward: bool = True, wire_dtype: torch.dtype | None = None):
+                 reshard_after_forward: bool = True, wire_dtype: torch.dtype | None = None,
+                 fill: Fill | None = None, device: torch.device | None = None):
         self.name, self.module, self.wire_dtype = name, module, wire_dtype
         self.reshard_after_forward = reshard_after_forward
-        self.flats = [self._shard(layout) for layout in layouts]
+        self.flats = [self._shard(layout, fill, device) for layout in layouts]
         self.params = [p for f in self.flats for p in f.layout.params]
         self.state = SHARDED
         self.ready: set[int] = set()
@@ -76,21 +86,32 @@ class ShardedUnit:
         self.reducing: list[Pending] = []  # reduce-scatters in flight
 
     @torch.no_grad()
-    def _shard(self, layout: ShardLayout) -> _Flat:
+    def _shard(self, layout: ShardLayout, fill: Fill | None,
+               device: torch.device | None) -> _Flat:
         like = layout.params[0]
-        shard, grad = _empty(layout.per_rank, like).zero_(), _empty(layout.per_rank, like)
-        full = _empty(sum(p.numel() for p in layout.params), like)
-        flat = _Flat(layout, shard, grad.zero_(), full)
+        drawn = fill is not None and like.is_meta  # else: a copy of the whole tensor
+        where = device if drawn and device is not None else like.device
+        shard = torch.zeros(layout.per_rank, dtype=like.dtype, device=where)
+        full = torch.empty(sum(p.numel() for p in layout.params), dtype=like.dtype,
+                           device=where)
+        flat = _Flat(layout, shard, None, full)
         start = 0
         for i, p in enumerate(layout.params):
             offset, length, _ = layout.rank_rows(i)
             own = layout.own(shard, i)
-            own[:length].copy_(p.data[offset:offset + length])
-            flat.shards.append(own)
+            rec = layout.placement(i, placement_of(p))
             flat.wholes.append(full[start:start + p.numel()].view_as(p))
             start += p.numel()
-            rec = layout.placement(i, placement_of(p))
-            p.data = own
+            flat.shards.append(own)
+            if drawn and p.is_meta:
+                assert fill is not None
+                fill(rec, own)
+                new = nn.Parameter(own, requires_grad=p.requires_grad)
+                new.__dict__.update(p.__dict__)  # the parameter object stays the same
+                torch.utils.swap_tensors(p, new)
+            else:
+                own[:length].copy_(p.data[offset:offset + length])
+                p.data = own
             set_placement(p, rec)
         full.untyped_storage().resize_(0)
         return flat
@@ -160,11 +181,22 @@ class ShardedUnit:
     def launch_reduce(self) -> None:
         for f in self.flats:
             assert f.send is not None
+            if f.grad is None:
+                f.grad = _empty(f.layout.per_rank, f.shard)
             work = reduce_scatter_into(f.grad, f.send, f.layout.group, async_op=True,
                                        wire_dtype=self.wire_dtype)
             assert work is not None
             self.reducing.append(work)
         self.prepared = False
+
+    def release_send(self) -> None:
+        """Wait for the reduce-scatters and free their send buffers; the reduced shards
+        wait in the flat gradient buffer for :meth:`wait_reduce`."""
+        for work in self.reducing:
+            work.wait()
+        self.reducing.clear()
+        for f in self.flats:
+            f.send = None
 
     def wait_reduce(self) -> None:
         """Wait for the reduce-scatters; the shards' gradients are views of the result
@@ -174,5 +206,6 @@ class ShardedUnit:
         self.reducing.clear()
         for f in self.flats:
             f.send = None
+            assert f.grad is not None
             for i, p in enumerate(f.layout.params):
                 p.grad = f.layout.own(f.grad, i)

@@ -43,7 +43,7 @@ from paraxis.parallel.stages import chunks_of
 from paraxis.parallel.strategy import SyncOrder
 from paraxis.runtime.grid import Grid
 from paraxis_zero.layout import ShardLayout
-from paraxis_zero.sharded_unit import ShardedUnit
+from paraxis_zero.sharded_unit import Fill, ShardedUnit
 from paraxis_zero.units import find_units
 from paraxis_zero.whole import WHOLE_BELOW, WholeReducer, keep_whole
 
@@ -59,6 +59,23 @@ def _layouts(params: list[nn.Parameter], grid: Grid) -> list[ShardLayout]:
             for (axes, _), ps in by_key.items()]
 
 
+@torch.no_grad()
+def _draw_whole(p: nn.Parameter, fill: Fill, device: torch.device | None) -> None:
+    """A parameter ZeRO keeps whole, still on the meta device: its local tensor."""
+    if not p.is_meta:
+        return
+    rec = placement_of(p)
+    local = torch.zeros(rec.local_shape, dtype=p.dtype, device=device)
+    fill(rec, local)
+    new = nn.Parameter(local, requires_grad=p.requires_grad)
+    new.__dict__.update(p.__dict__)
+    torch.utils.swap_tensors(p, new)
+
+
+# Reduce-scatters whose send buffers may be alive at once during backward.
+IN_FLIGHT = 2
+
+
 class ShardedParameters:
     """Gradient synchronizer and shard owner for ZeRO stage 3 (``SyncOrder.DATA``)."""
 
@@ -66,10 +83,14 @@ class ShardedParameters:
 
     def __init__(self, model: nn.Module, *, grid: Grid, plan: ModelPlan | None,
                  bucket_bytes: int, whole_below: int = WHOLE_BELOW, prefetch: int = 1,
-                 wire_dtype: torch.dtype | None = None):
+                 wire_dtype: torch.dtype | None = None, fill: Fill | None = None,
+                 device: torch.device | None = None):
         self.grid, self.prefetch, self._sync = grid, prefetch, True
         params = [p for p in model.parameters() if p.requires_grad]
         self.whole_params = [p for p in params if keep_whole(p, grid, whole_below)]
+        if fill is not None:  # a deferred model: whole ones first (the buckets read them)
+            for p in self.whole_params:
+                _draw_whole(p, fill, device)
         self.whole = WholeReducer(self.whole_params, grid, bucket_bytes, wire_dtype)
         sharded = [p for p in params if not keep_whole(p, grid, whole_below)]
         self.units: list[ShardedUnit] = []  # forward order; the roots first
@@ -81,10 +102,12 @@ class ShardedParameters:
             left -= {id(p) for p in mine}
             specs, rest = find_units(chunk, plan, mine)
             root = ShardedUnit("root", chunk, _layouts(rest, grid), wire_dtype=wire_dtype,
-                               reshard_after_forward=False) if rest else None
+                               reshard_after_forward=False, fill=fill,
+                               device=device) if rest else None
             self.roots[id(chunk)] = root
             units = [ShardedUnit(s.name, s.module, _layouts(s.params, grid),
-                                 wire_dtype=wire_dtype) for s in specs]
+                                 wire_dtype=wire_dtype, fill=fill, device=device)
+                     for s in specs]
             self._hook_root(chunk, root, units[0] if units else None)
             for unit in units:
                 self._hook(unit)
@@ -94,6 +117,7 @@ class ShardedParameters:
         self._handles += [p.register_post_accumulate_grad_hook(self._on_grad)
                           for p in self._unit_of]
         self._next = 0  # next unit (backward order) whose reduce-scatter may start
+        self._released = 0  # units before it (backward order) hold no send buffer
 
     def optimizer_params(self) -> list[nn.Parameter]:
         return [p for u in self.units for p in u.params] + self.whole_params
@@ -166,6 +190,13 @@ class ShardedParameters:
         while self._next < len(order) and order[self._next].prepared:
             order[self._next].launch_reduce()
             self._next += 1
+        # At most IN_FLIGHT units' send buffers (whole gradients) stay alive: an older
+        # reduce-scatter is waited for and its input freed (FSDP2 bounds them the same
+        # way); else every unit's whole gradient lived until finish(), the whole
+        # model's gradient on every rank at the end of backward.
+        while self._released < self._next - IN_FLIGHT:
+            order[self._released].release_send()
+            self._released += 1
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -184,7 +215,7 @@ class ShardedParameters:
             if not unit.prepared:
                 unit.prepare_reduce()
             unit.launch_reduce()
-        self._next = 0
+        self._next = self._released = 0
         start = time.perf_counter()
         for unit in self._backward_order:
             unit.ready.clear()

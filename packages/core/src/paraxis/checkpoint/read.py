@@ -39,7 +39,7 @@ class Reader:
         entry = self.index["tensors"][key]
         if region is None or entry["shape"] == [-1]:
             (shard,) = entry["shards"][:1]
-            return self.files.open(shard["file"]).get_tensor(shard["key"])
+            return self.files.tensor(shard["file"], shard["key"])
         out = torch.empty([n for _, n in region], dtype=getattr(torch, entry["dtype"]))
         covered = 0
         for shard in entry["shards"]:
@@ -52,7 +52,7 @@ class Reader:
                 src.append(slice(a - so, b - so))
                 dst.append(slice(a - lo, b - lo))
             if ok:
-                piece = self.files.open(shard["file"]).get_slice(shard["key"])[tuple(src)]
+                piece = self.files.slice(shard["file"], shard["key"], tuple(src))
                 out[tuple(dst)] = piece
                 covered += piece.numel()
         if covered < out.numel():
@@ -117,7 +117,9 @@ def load_checkpoint(state: TrainState, directory: str | os.PathLike[str], *,
                     verify: bool = True) -> Restored:
     """Restore model (parameters and persistent buffers), optimizer, scheduler and (same
     grid) RNG into ``state``; return the step and data position for the run to take over.
-    ``verify`` checks each file's SHA-256 before reading it (sizes are always checked).
+    ``verify`` checks the SHA-256 of what is read before reading it (of each block
+    read, or of each whole file for a checkpoint older than format 4; sizes are always
+    checked).
     Collective."""
     ckpt = resolve(directory)
     index = read_index(ckpt)

@@ -216,7 +216,7 @@ def apply_strategies(model: nn.Module, ctx: ApplyContext,
                      strategies: list[type[Strategy]]) -> nn.Module:
     materialize = getattr(model, MATERIALIZE_ATTR, None)
     for cls in sorted(strategies, key=lambda c: (c.phase, c.axis)):
-        if materialize is not None and cls.phase >= Phase.WRAP:
+        if materialize is not None and cls.phase >= Phase.WRAP and not cls.takes_meta:
             materialize(model)
             materialize = None
         strategy = cls()

@@ -108,6 +108,7 @@ def _wrap(module: nn.Module, streams: dict[str, Any]) -> None:
 class ActivationCheckpointing(Strategy):
     axis = "activation_checkpointing"
     phase = Phase.WRAP
+    takes_meta = True  # it wraps forwards and reads no parameter
 
     def apply(self, model: nn.Module, ctx: ApplyContext) -> nn.Module:
         mode = ctx.config.schedule.activation_checkpointing

@@ -180,6 +180,10 @@ class Strategy:
 
     axis: ClassVar[str]
     phase: ClassVar[Phase]
+    # A WRAP or DATA strategy that may see a deferred model's parameters still on the
+    # meta device (see MATERIALIZE_ATTR): it needs no storage (activation checkpointing)
+    # or materializes what it keeps itself (ZeRO-3). Core materializes after it.
+    takes_meta: ClassVar[bool] = False
 
     def apply(self, model: nn.Module, ctx: ApplyContext) -> nn.Module:
         raise NotImplementedError
@@ -211,7 +215,11 @@ class Strategy:
 # attribute, a callable ``(model) -> None`` that gives every parameter still on the meta
 # device its real data: only this rank's slice, read through its placement. Core calls
 # it once the layout is known (after the SPLIT and PARTITION phases) and before any
-# WRAP or DATA strategy sees a parameter.
+# WRAP or DATA strategy sees a parameter, unless the strategy ``takes_meta``; then after
+# it, for what is still on the meta device. The callable may also offer ``fill(record,
+# out)``: write the real blocks of the tensor ``record`` (a Placement) describes into
+# ``out`` (of its local shape), so that a strategy which shards further (ZeRO-3) draws
+# its own shard alone; and ``device``, where the tensors go (None: the rank's device).
 MATERIALIZE_ATTR = "paraxis_materialize"
 
 
