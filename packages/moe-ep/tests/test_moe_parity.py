@@ -54,7 +54,7 @@ def _cap_reference(experts, n, tokens, moe):
     return capped
 
 
-def block_parity(family, capacity_factor, policy, implementation, dtype):
+def block_parity(family, capacity_factor, policy, implementation, dtype, chunks=1):
     n, r = dist.get_world_size(), dist.get_rank()
     grid = Grid.build({"expert": n})
     group = grid.group("expert")
@@ -62,7 +62,8 @@ def block_parity(family, capacity_factor, policy, implementation, dtype):
     model.set_experts_implementation(implementation)
     record_replicated(model)
     ref = copy.deepcopy(model)
-    moe = MoEConfig(capacity_factor=capacity_factor, drop_policy=policy, min_capacity=0)
+    moe = MoEConfig(capacity_factor=capacity_factor, drop_policy=policy, min_capacity=0,
+                    dispatch_chunks=chunks)
     ep = ExpertParallel(model, [BLOCK], group, moe=moe, token_group=group)
     block, ref_block = model.get_submodule(BLOCK), ref.get_submodule(BLOCK)
     capped = None
