@@ -22,6 +22,11 @@ LAYOUTS = {
     "expert2_tensor2_sp": ({"expert": 2, "tensor": 2}, {"sequence_parallel": True}),
     "expert2_expert_tensor2_sp": ({"expert": 2, "tensor": 2},
                                   {"sequence_parallel": True, "expert_tensor": 2}),
+    "expert2_pipeline2": ({"expert": 2, "pipeline": 2}, {"microbatches": 2}),
+    "expert2_pipeline2_zero_bubble": ({"expert": 2, "pipeline": 2},
+                                      {"microbatches": 2,
+                                       "pipeline_schedule": "zero_bubble_h1"}),
+    "expert2_recompute": ({"expert": 2}, {"activation_checkpointing": "full"}),
 }
 
 
