@@ -33,3 +33,13 @@ def test_chunked_block_matches_unsharded(worlds, n, chunks, family, capacity, po
     worst = max(max(err.values()) for err, _ in out)
     print(f"{family} ep={n} chunks={chunks} capacity={capacity} {implementation} {dtype}: "
           f"max error / max|ref| {worst:.1e}")
+
+
+# Ranks that receive no rows (every token picks experts 0 and 1), and more chunks than
+# tokens (empty chunks): every rank still joins every chunk's exchanges, forward and back.
+@pytest.mark.parametrize("chunks", [3, 11])
+@pytest.mark.parametrize("implementation", ["grouped_mm", "eager"])
+def test_idle_ranks_and_empty_chunks_join_every_exchange(worlds, implementation, chunks):
+    from test_moe_parity import idle_ranks
+
+    assert worlds.run(4, idle_ranks, implementation, chunks) == [False, False, True, True]

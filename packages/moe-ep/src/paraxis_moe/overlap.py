@@ -126,7 +126,9 @@ def wait(buffer: torch.Tensor, ticket: _Ticket) -> torch.Tensor:
 
 
 def chunk_bounds(num_tokens: int, chunks: int) -> list[slice]:
-    """``chunks`` contiguous token ranges, as equal as whole tokens allow."""
+    """``chunks`` contiguous token ranges, as equal as whole tokens allow. Never fewer
+    (some may be empty): every rank of the group must run the same exchanges, whatever
+    its token count."""
     edges = [num_tokens * i // chunks for i in range(chunks + 1)]
     return [slice(a, b) for a, b in itertools.pairwise(edges)]
 
@@ -180,7 +182,7 @@ def chunked_exchange(dispatcher: AllToAllDispatcher, hidden: torch.Tensor,
             0, d.pairs - b.start * k, back)
         weights = top_k_weights[b] if keep is None else \
             top_k_weights[b].masked_fill(~keep[b], 0.0)
-        outs.append((slots.view(size, k, -1) * weights.unsqueeze(-1)).sum(1))
+        outs.append((slots.view(size, k, back.shape[-1]) * weights.unsqueeze(-1)).sum(1))
     return torch.cat(outs), records, count_s
 
 
