@@ -27,6 +27,9 @@ LAYOUTS = {
                                       {"microbatches": 2,
                                        "pipeline_schedule": "zero_bubble_h1"}),
     "expert2_recompute": ({"expert": 2}, {"activation_checkpointing": "full"}),
+    "expert2_data2": ({"expert": 2, "data": 2}, {}),
+    "expert2_context2": ({"expert": 2, "context": 2}, {}),
+    "expert2_data2_zero3": ({"expert": 2, "data": 2}, {"zero": 3}),
 }
 
 
