@@ -54,7 +54,7 @@ def _cap_reference(experts, n, tokens, moe):
     return capped
 
 
-def block_parity(family, capacity_factor, policy, implementation, dtype):
+def block_parity(family, capacity_factor, policy, implementation, dtype, chunks=1):
     n, r = dist.get_world_size(), dist.get_rank()
     grid = Grid.build({"expert": n})
     group = grid.group("expert")
@@ -62,7 +62,8 @@ def block_parity(family, capacity_factor, policy, implementation, dtype):
     model.set_experts_implementation(implementation)
     record_replicated(model)
     ref = copy.deepcopy(model)
-    moe = MoEConfig(capacity_factor=capacity_factor, drop_policy=policy, min_capacity=0)
+    moe = MoEConfig(capacity_factor=capacity_factor, drop_policy=policy, min_capacity=0,
+                    dispatch_chunks=chunks)
     ep = ExpertParallel(model, [BLOCK], group, moe=moe, token_group=group)
     block, ref_block = model.get_submodule(BLOCK), ref.get_submodule(BLOCK)
     capped = None
@@ -176,7 +177,7 @@ def test_dispatch_bytes_match_formula(worlds, n):
     print(f"ep={n}: {pair:.0f} bytes per rank per forward pair (formula {pair:.0f})")
 
 
-def idle_ranks(implementation):
+def idle_ranks(implementation, chunks=1):
     """Every token picks experts 0 and 1: the ranks owning neither receive no rows, yet
     must join backward's mirrored exchanges; their experts get zero gradients."""
     n, r = dist.get_world_size(), dist.get_rank()
@@ -184,7 +185,8 @@ def idle_ranks(implementation):
     model = build("mixtral")
     model.set_experts_implementation(implementation)
     ref = copy.deepcopy(model).get_submodule(BLOCK).experts
-    ExpertParallel(model, [BLOCK], grid.group("expert"), token_group=grid.group("expert"))
+    ExpertParallel(model, [BLOCK], grid.group("expert"), token_group=grid.group("expert"),
+                   moe=MoEConfig(dispatch_chunks=chunks))
     experts = model.get_submodule(BLOCK).experts
     index = torch.tensor([[0, 1]] * 8)
     weights = torch.full((8, 2), 0.5)

@@ -79,14 +79,7 @@ class AllToAllDispatcher:
         to the rank that owns the pair's expert. ``timer`` marks the exchange and what
         follows it, for backward seconds."""
         k = top_k_index.shape[-1]
-        experts = top_k_index.reshape(-1)
-        pairs = torch.arange(experts.numel(), device=experts.device)
-        if keep is not None:
-            pairs = pairs[keep.reshape(-1)]
-        # 1. permute; the stable sort keeps token order within each expert.
-        by_expert, order = torch.sort(experts[pairs], stable=True)
-        pairs = pairs[order]
-        sent_per_expert = torch.bincount(by_expert, minlength=self.num_experts)
+        pairs, sent_per_expert = self.permute(top_k_index, keep)
         # 2. counts: rank j gets our counts for its experts, we get theirs for ours.
         n, local = self.group.size, self.num_local
         start = time.perf_counter()
@@ -106,6 +99,20 @@ class AllToAllDispatcher:
         local_ids = local_ids.repeat_interleave(recv_counts.reshape(-1))
         return Dispatched(tokens, local_ids, pairs, send, recv, sent_per_expert, recv_counts,
                           hidden.shape[-1] * hidden.element_size(), self.group.rank, seconds)
+
+    def permute(self, top_k_index: torch.Tensor, keep: torch.Tensor | None,
+                tokens: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step 1 for the tokens ``tokens`` of ``top_k_index`` (T, k): the flat (token * k
+        + slot) index of each kept pair, sorted by expert (stable: token order within an
+        expert), and the (E,) pairs per expert."""
+        k = top_k_index.shape[-1]
+        first = tokens.start or 0
+        experts = top_k_index[tokens].reshape(-1)
+        pairs = torch.arange(experts.numel(), device=experts.device)
+        if keep is not None:
+            pairs = pairs[keep[tokens].reshape(-1)]
+        by_expert, order = torch.sort(experts[pairs], stable=True)
+        return pairs[order] + first * k, torch.bincount(by_expert, minlength=self.num_experts)
 
     def combine(self, expert_out: torch.Tensor, d: Dispatched, top_k_weights: torch.Tensor,
                 keep: torch.Tensor | None, timer: BackwardTimer | None = None,

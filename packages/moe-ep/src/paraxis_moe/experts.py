@@ -18,10 +18,9 @@ applied on the sender after the combine (as Megatron-Core's dispatcher and trans
 post-expert norm are the model's code, and ``config._experts_implementation`` picks how
 (``grouped_mm``, transformers' default: one ``torch._grouped_mm`` per projection over
 the local expert set, which torch 2.13 runs on CPU for fp32/bf16 with 16-byte aligned
-rows; ``eager``: a loop over the local experts hit, never over tokens). Where torch has
-no grouped kernel for the dtype (fp64), the default runs as a padded batched matmul, and
-the loop replaces it where the grouped form was measured slower
-(:mod:`paraxis_moe.grouped`, ``benchmarks/moe_grouped.py``).
+rows; ``eager``: a loop over the local experts hit, never over tokens); see
+:mod:`paraxis_moe.grouped` for where that is replaced. ``moe.dispatch_chunks`` > 1
+overlaps the exchanges of chunks of tokens with the compute (:mod:`paraxis_moe.overlap`).
 """
 
 from __future__ import annotations
@@ -40,7 +39,8 @@ from paraxis_moe.config import MoEConfig
 from paraxis_moe.dispatcher import AllToAllDispatcher, Dispatched
 from paraxis_moe.expert_tensor import ExpertTensor, shard_expert_ffn
 from paraxis_moe.grouped import local_kernel, padded_bmm_forward
-from paraxis_moe.stats import BackwardTimer, LayerStats
+from paraxis_moe.overlap import chunked_exchange, counted, merged
+from paraxis_moe.stats import BackwardTimer, LayerStats, probe
 
 __all__ = ["ExpertParallelExperts", "UnsupportedMoELayout", "check_experts", "shard_experts"]
 
@@ -93,6 +93,8 @@ class ExpertParallelExperts(nn.Module):
                                      self.moe, self.capacity_groups)
         timer, moved = None, {}
         counting = self.stats is not None and torch.is_grad_enabled()  # not in evaluation
+        if self.moe.dispatch_chunks > 1 and self.dispatcher.group.size > 1:
+            return self._chunked(hidden_states, top_k_index, top_k_weights, keep, counting)
         if counting and hidden_states.requires_grad:
             timer = BackwardTimer(lambda label, s: self._backward_segment(label, s, moved))
         if keep is None and self.dispatcher.group.size == 1:
@@ -106,6 +108,34 @@ class ExpertParallelExperts(nn.Module):
         y, combine_s = self.dispatcher.combine(out, d, top_k_weights, keep, timer)
         if counting:
             self._record(d, top_k_index, compute_s, d.seconds + combine_s, moved)
+            self.stats.add("a2a_span_s", d.seconds + combine_s)  # blocking: all exposed
+        return y.to(hidden_states.dtype)
+
+    def _chunked(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor, keep: torch.Tensor | None,
+                 counting: bool) -> torch.Tensor:
+        """Dispatch, compute and combine in ``moe.dispatch_chunks`` overlapped chunks
+        (:mod:`paraxis_moe.overlap`); backward compute is not timed (chunks interleave)."""
+        stats, seconds = self.stats if counting else None, [0.0]
+
+        def compute(d: Dispatched) -> torch.Tensor:
+            start = time.perf_counter()
+            out = self._local_experts(d)
+            seconds[0] += time.perf_counter() - start
+            return out
+
+        y, records, count_s = chunked_exchange(
+            self.dispatcher, hidden_states, top_k_index, top_k_weights, keep,
+            self.moe.dispatch_chunks, compute, counted(stats))
+        if stats is None:
+            return y.to(hidden_states.dtype)
+        d = merged(records)
+        moved = {"total": d.bytes_out, "per_expert": d.bytes_per_expert(),
+                 "share": self._share(d.recv_counts.sum(0))}
+        self._record(d, top_k_index, seconds[0], count_s, moved)
+        stats.add("a2a_span_s", count_s)
+        if y.requires_grad:  # backward moves the forward's bytes again
+            y = probe(y, lambda: self._backward_segment("bytes", 0.0, moved))
         return y.to(hidden_states.dtype)
 
     def _alone(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -206,7 +236,8 @@ class ExpertParallelExperts(nn.Module):
             stats.add("compute_s_per_expert", moved["share"] * seconds)
             return
         stats.add("dispatch_s", seconds)
-        if label == "combine":
+        stats.add("a2a_span_s", seconds)
+        if label in ("combine", "bytes"):
             # Backward's two mirrored exchanges move the forward's bytes again; the
             # combine's runs first, so both are counted there.
             stats.add("dispatch_bytes", moved["total"])

@@ -40,7 +40,9 @@ _SUMMED = ("assigned", "accepted", "dropped", "processed", "bytes_per_expert",
 # ``moe/<block>/<kind>/<expert>``).
 PER_EXPERT = ("assigned", "accepted", "dropped", "processed", "dispatch_bytes", "compute_s",
               "prob_mean")
-_MAXED = ("dispatch_bytes", "dispatch_s", "expert_compute_s")
+# ``dispatch_s`` is the time blocked in the exchanges (exposed), ``a2a_span_s`` their
+# lifetime from launch to the end of the wait: equal unless dispatch is chunked.
+_MAXED = ("dispatch_bytes", "dispatch_s", "a2a_span_s", "expert_compute_s")
 
 
 class _Probe(torch.autograd.Function):
@@ -175,7 +177,7 @@ def summarize(reduced: dict[str, dict[str, torch.Tensor]]) -> dict[str, float]:
     """Totals (``moe/...``) and the per-layer, per-expert detail (``moe/<block>/...``)."""
     out: dict[str, float] = {}
     totals = {k: 0.0 for k in ("assigned", "dropped", "entropy", "tokens", "bytes", "dispatch_s",
-                               "compute_s")}
+                               "a2a_span_s", "compute_s")}
     imbalance = 0.0
     for name, v in reduced.items():
         assigned = v["assigned"]
@@ -203,6 +205,7 @@ def summarize(reduced: dict[str, dict[str, torch.Tensor]]) -> dict[str, float]:
         totals["tokens"] += tokens
         totals["bytes"] += float(v["dispatch_bytes"])
         totals["dispatch_s"] += float(v["dispatch_s"])
+        totals["a2a_span_s"] += float(v["a2a_span_s"])
         totals["compute_s"] += float(v["expert_compute_s"])
     assigned = totals["assigned"]
     out.update({
@@ -215,6 +218,10 @@ def summarize(reduced: dict[str, dict[str, torch.Tensor]]) -> dict[str, float]:
         # Per rank, the busiest rank of each layer, summed over layers.
         moe_total("dispatch_bytes"): totals["bytes"],
         moe_total("dispatch_s"): totals["dispatch_s"],
+        moe_total("a2a_span_s"): totals["a2a_span_s"],
+        # The share of the all-to-alls' lifetime the rank sat blocked in them.
+        moe_total("a2a_exposed_share"): (totals["dispatch_s"] / totals["a2a_span_s"]
+                                         if totals["a2a_span_s"] else 0.0),
         moe_total("expert_compute_s"): totals["compute_s"],
     })
     return out

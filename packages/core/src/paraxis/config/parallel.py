@@ -123,7 +123,8 @@ class MoEConfig(_Section):
     exchange. ``aux_loss_coef`` None takes the model's ``router_aux_loss_coef``.
     ``bias_update_rate`` > 0 turns on DeepSeek-V3's auxiliary-loss-free balancing for
     routers holding an ``e_score_correction_bias`` (its paper used 0.001); 0 leaves
-    the bias as loaded.
+    the bias as loaded. ``dispatch_chunks`` > 1 cuts each block's routed tokens into
+    that many chunks whose all-to-alls overlap the other chunks' expert compute.
     """
 
     capacity_factor: float | None = Field(default=None, gt=0)
@@ -132,6 +133,7 @@ class MoEConfig(_Section):
     aux_loss_coef: float | None = Field(default=None, ge=0)
     z_loss_coef: float = Field(default=0.0, ge=0)
     bias_update_rate: float = Field(default=0.0, ge=0)
+    dispatch_chunks: PositiveInt = 1
 
 
 class CheckpointConfig(_Section):

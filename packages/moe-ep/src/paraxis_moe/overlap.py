@@ -1,0 +1,210 @@
+"""Chunked, overlapped expert dispatch (``moe.dispatch_chunks`` > 1).
+
+A block's tokens are cut into ``c`` contiguous chunks, each dispatched and combined on
+its own, so an all-to-all of one chunk is in flight while the local experts compute
+another (the chunked overlap of Megatron-Core's ``--overlap-moe-expert-parallel-comm``
+and of DeepSeek-V3's DualPipe, arXiv:2412.19437, section 3.2.2, here within one
+forward)::
+
+    launch d0 | wait d0, launch d1, compute 0, launch c0 | wait d1, launch d2, compute 1,
+    launch c1 | ... | wait c0, c1, ... and unpermute
+
+The uneven split sizes of every chunk are exchanged first, in one blocking all-to-all of
+the ``(c, E)`` counts; then each exchange is launched (``async_op``) and waited on by two
+autograd nodes, :class:`_Launch` and :class:`_Wait`. Backward mirrors them: ``_Wait``'s
+backward launches the gradient's exchange (passing the gradient on unchanged, so shapes
+check) and ``_Launch``'s ignores what reaches it and waits for the exchange, so the
+gradient all-to-all of one chunk is in flight while autograd runs the experts' backward of
+another (the engine runs ready nodes latest-created first; the graph is the same on every
+rank, so every rank issues the exchanges in the same order).
+
+Seconds: ``exposed`` is the time spent waiting (plus the blocking count exchange), ``span``
+the time from each launch to the end of its wait (its lifetime); at one chunk both are the
+blocking time, so ``moe/a2a_exposed_share`` is 1 there.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from paraxis.runtime.collectives import Pending, exchange_rows
+from paraxis.runtime.differentiable import autocast_dtype
+from paraxis.runtime.grid import AxisGroup
+from paraxis.runtime.liveness import guard
+from paraxis_moe.dispatcher import AllToAllDispatcher, Dispatched
+
+__all__ = ["Flight", "chunk_bounds", "chunked_exchange", "counted", "merged"]
+
+# (exposed seconds, span seconds, bytes sent to other ranks) of one finished exchange.
+OnDone = Callable[[float, float, float], None]
+
+
+class Flight:
+    """One uneven all-to-all of rows in flight over ``group``: ``send[i]`` rows to rank
+    i, ``recv[j]`` from rank j; sent in ``wire`` (None: as held) and cast back."""
+
+    def __init__(self, group: AxisGroup, send: tuple[int, ...], recv: tuple[int, ...],
+                 wire: torch.dtype | None, on_done: OnDone | None):
+        self.group, self.send, self.recv, self.wire = group, send, recv, wire
+        self.on_done = on_done
+
+    def launch(self, x: torch.Tensor) -> torch.Tensor:
+        """Start sending ``x``; returns the buffer being filled (read it after wait)."""
+        self.dtype = x.dtype
+        self.x = (x if self.wire is None else x.to(self.wire)).contiguous()  # kept alive
+        out = self.x.new_empty((sum(self.recv), *x.shape[1:]))
+        row = self.x[0].numel() * self.x.element_size() if x.shape[0] else 0
+        self.nbytes = float((sum(self.send) - self.send[self.group.rank]) * row)
+        self.start = time.perf_counter()
+        with guard(self.group, "all_to_all"):
+            work = dist.all_to_all_single(out, self.x, output_split_sizes=list(self.recv),
+                                          input_split_sizes=list(self.send),
+                                          group=self.group.pg, async_op=True)
+        stats = getattr(self.group, "stats", None)
+        if stats is not None:  # bytes now; the blocked seconds when waited on
+            stats.add(self.group.axes, "all_to_all", self.nbytes, 0.0)
+        self.pending = Pending(work, self.group, "all_to_all", result=out)
+        return out
+
+    def wait(self) -> torch.Tensor:
+        begin = time.perf_counter()
+        out = self.pending.wait()
+        end = time.perf_counter()
+        del self.x
+        if self.on_done is not None:
+            self.on_done(end - begin, end - self.start, self.nbytes)
+        return out if self.wire is None else out.to(self.dtype)
+
+
+class _Ticket:
+    """The forward and backward flights of one exchange."""
+
+    def __init__(self, group: AxisGroup, send: tuple[int, ...], recv: tuple[int, ...],
+                 wire: torch.dtype | None, on_done: OnDone | None):
+        self.forward = Flight(group, send, recv, wire, on_done)
+        self.backward = Flight(group, recv, send, wire, on_done)
+
+
+class _Launch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, ticket: _Ticket) -> torch.Tensor:
+        ctx.ticket = ticket
+        return ticket.forward.launch(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return ctx.ticket.backward.wait(), None
+
+
+class _Wait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, buffer: torch.Tensor, ticket: _Ticket) -> torch.Tensor:
+        ctx.ticket = ticket
+        out = ticket.forward.wait()
+        return buffer.view_as(buffer) if out is buffer else out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        # Start the mirrored exchange and pass the gradient on unchanged: _Launch's
+        # backward ignores it and waits for the exchange's result.
+        ctx.ticket.backward.launch(grad)
+        return grad, None
+
+
+def launch(x: torch.Tensor, ticket: _Ticket) -> torch.Tensor:
+    return _Launch.apply(x, ticket)
+
+
+def wait(buffer: torch.Tensor, ticket: _Ticket) -> torch.Tensor:
+    return _Wait.apply(buffer, ticket)
+
+
+def chunk_bounds(num_tokens: int, chunks: int) -> list[slice]:
+    """``chunks`` contiguous token ranges, as equal as whole tokens allow. Never fewer
+    (some may be empty): every rank of the group must run the same exchanges, whatever
+    its token count."""
+    edges = [num_tokens * i // chunks for i in range(chunks + 1)]
+    return [slice(a, b) for a, b in itertools.pairwise(edges)]
+
+
+def chunked_exchange(dispatcher: AllToAllDispatcher, hidden: torch.Tensor,
+                     top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                     keep: torch.Tensor | None, chunks: int,
+                     compute: Callable[[Dispatched], torch.Tensor],
+                     on_done: OnDone | None) -> tuple[torch.Tensor, list[Dispatched], float]:
+    """Dispatch, ``compute`` and combine ``hidden`` (T, h) in ``chunks`` overlapped
+    chunks; returns each token's weighted sum over its slots, the chunks' dispatch
+    records, and the seconds of the blocking count exchange."""
+    group, k = dispatcher.group, top_k_index.shape[-1]
+    n, local = group.size, dispatcher.num_local
+    bounds = chunk_bounds(hidden.shape[0], chunks)
+    planned = [dispatcher.permute(top_k_index, keep, b) for b in bounds]
+    # The split sizes of every chunk in one exchange: rank j gets (chunk, its experts).
+    start = time.perf_counter()
+    sent = torch.stack([s for _, s in planned]).view(chunks, n, local)
+    got = exchange_rows(sent.transpose(0, 1).contiguous().view(n * chunks, local), group,
+                        [chunks] * n, [chunks] * n).view(n, chunks, local)
+    count_s = time.perf_counter() - start
+    row_bytes = hidden.shape[-1] * hidden.element_size()
+    ids = torch.arange(local, device=hidden.device).repeat(n)
+    wire = autocast_dtype(hidden.device.type) if hidden.dtype == torch.float32 else None
+    records, tickets = [], []
+    for i, (pairs, per_expert) in enumerate(planned):
+        recv_counts = got[:, i]
+        send = tuple(per_expert.view(n, local).sum(1).tolist())
+        recv = tuple(recv_counts.sum(1).tolist())
+        records.append(Dispatched(hidden[pairs // k], ids.repeat_interleave(
+            recv_counts.reshape(-1)), pairs, send, recv, per_expert, recv_counts,
+            row_bytes, group.rank))
+        tickets.append(_Ticket(group, send, recv, wire, on_done))
+    buffers = [launch(records[0].tokens, tickets[0])]
+    backs = []
+    for i, d in enumerate(records):
+        d.tokens = wait(buffers[i], tickets[i])
+        if i + 1 < chunks:
+            buffers.append(launch(records[i + 1].tokens, tickets[i + 1]))
+        out = compute(d)
+        # Expert outputs go back as computed (fp32 where the experts ran outside
+        # autocast), as the unchunked combine sends them.
+        ticket = _Ticket(group, d.recv, d.send, None, on_done)
+        backs.append((launch(out, ticket), ticket))
+    outs = []
+    for b, d, (buffer, ticket) in zip(bounds, records, backs, strict=True):
+        back = wait(buffer, ticket)
+        size = b.stop - b.start
+        slots = back.new_zeros((size * k, back.shape[-1])).index_copy(
+            0, d.pairs - b.start * k, back)
+        weights = top_k_weights[b] if keep is None else \
+            top_k_weights[b].masked_fill(~keep[b], 0.0)
+        outs.append((slots.view(size, k, back.shape[-1]) * weights.unsqueeze(-1)).sum(1))
+    return torch.cat(outs), records, count_s
+
+
+def merged(records: list[Dispatched]) -> Dispatched:
+    """The chunks' dispatch records as one (counts and bytes summed; no rows), for the
+    statistics the unchunked path records."""
+    first = records[0]
+    return Dispatched(first.tokens[:0], first.local_ids[:0], first.pairs[:0],
+                      tuple(map(sum, zip(*(d.send for d in records), strict=True))),
+                      tuple(map(sum, zip(*(d.recv for d in records), strict=True))),
+                      sum(d.sent_per_expert for d in records),  # type: ignore[arg-type]
+                      sum(d.recv_counts for d in records),  # type: ignore[arg-type]
+                      first.row_bytes, first.rank)
+
+
+def counted(stats: Any) -> OnDone | None:
+    """What adds a finished exchange's exposed and span seconds to ``stats`` (a
+    :class:`paraxis_moe.stats.LayerStats`; None: nothing is counted)."""
+    if stats is None:
+        return None
+
+    def done(exposed: float, span: float, nbytes: float) -> None:
+        stats.add("dispatch_s", exposed)
+        stats.add("a2a_span_s", span)
+    return done
