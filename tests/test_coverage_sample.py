@@ -19,12 +19,17 @@ SAMPLE = {
                "loss per microbatch under a pipeline, each tensor rank routing its "
                "sequence shard under SP",
     "deepseek_v3": "DeepSeek-V3 routing (sigmoid, correction bias, sequence-wise loss); "
-                   "a dense first layer, so a stage may hold no biased router",
+                   "a dense first layer, so a stage may hold no biased router; multi-head "
+                   "latent attention the tensor plan leaves whole, run on the whole "
+                   "sequence on every tensor rank under SP",
+    "kimi_linear": "linear attention (KDA) and short convolutions the tensor plan leaves "
+                   "whole, run on the whole sequence on every tensor rank under SP; "
+                   "experts kept whole",
 }
 # The columns this package answers for (expert and context belong to their axes).
 COLUMNS = (OWN_LOSS, "data=2", "tensor=2", "tensor=2 SP", "pipeline=2")
 # Cells refused at parallelize time, by design, with words the reason must hold.
-REFUSED = {("deepseek_v3", "tensor=2 SP"): "enters none of it"}
+REFUSED: dict[tuple[str, str], str] = {}
 
 
 @pytest.mark.parametrize("family", sorted(SAMPLE))

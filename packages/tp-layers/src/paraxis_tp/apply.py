@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch import nn
@@ -70,6 +70,7 @@ from paraxis_tp.regions import (
     REGION_STYLES,
     enter_region,
     mla_rotary_entry,
+    run_whole,
     scale_identity_expert,
     shard_parameter,
 )
@@ -276,7 +277,8 @@ def _enter_block(block: nn.Module, enter: Callable | None, rng: TensorParallelRN
 
 # Children of a layer that mix information along the sequence (attention, state-space
 # and convolution mixers, linear attention, recurrences): under sequence parallelism each
-# must be a block the plan enters (gathering the sequence), or it would see 1/t of it.
+# must be a block the plan enters (gathering the sequence) or run whole (regions.run_whole),
+# or it would see 1/t of it.
 SEQUENCE_MIXERS = re.compile(r"(attn|attention|mixer|mamba|ssm|conv|recurrent|rnn|lstm|"
                              r"time_mix|token_mix|temporal_block)$")
 
@@ -292,20 +294,32 @@ def _layer_list(chunk: nn.Module, plan: ModelPlan) -> tuple[str, nn.ModuleList]:
     return max(lists, key=lambda nm: len(nm[1]))
 
 
-def _check_mixers_entered(name: str, layers: nn.ModuleList, entered: set[str],
-                          model_class: str) -> None:
+def _under(prefix: str, names: Iterable[str]) -> list[str]:
+    return [n for n in names if n == prefix or n.startswith(f"{prefix}.")]
+
+
+def _mixers_not_entered(name: str, layers: nn.ModuleList, applied: TensorParallelApplied,
+                        model_class: str) -> list[nn.Module]:
+    """The layers' sequence mixers the tensor plan enters none of; one the plan shards
+    parts of without entering it at its input is refused (run whole, its sharded parts
+    would gather the already whole sequence again)."""
+    out = []
     for i, layer in enumerate(layers):
         if isinstance(layer, SkipLayer):
             continue
-        for child, _ in layer.named_children():
+        for child, module in layer.named_children():
             full = f"{name}.{i}.{child}"
-            if SEQUENCE_MIXERS.search(child) and not any(
-                    b == full or b.startswith(f"{full}.") for b in entered):
+            if not SEQUENCE_MIXERS.search(child) or _under(full, applied.entered):
+                continue
+            if sharded := _under(full, applied.replaced):
                 raise PlanError(
-                    f"{model_class}: {full} mixes the sequence but the tensor plan enters "
-                    "none of it, so under sequence parallelism it would see 1/t of the "
-                    "sequence; set sequence_parallel: false (tensor parallelism without "
-                    "it runs this model)")
+                    f"{model_class}: {full} mixes the sequence and the tensor plan shards "
+                    f"{sharded[0]} ({applied.replaced[sharded[0]]}) without entering the "
+                    "block at its input, so under sequence parallelism it would see 1/t of "
+                    "the sequence, and run whole it would gather it twice; set "
+                    "sequence_parallel: false (tensor parallelism without it runs this model)")
+            out.append(module)
+    return out
 
 
 def shard_sequence(chunk: nn.Module, plan: ModelPlan, group: AxisGroup,
@@ -316,13 +330,23 @@ def shard_sequence(chunk: nn.Module, plan: ModelPlan, group: AxisGroup,
     layer's norms) then sees only its rank's tokens, so its gradient is partial; one used
     before the split (a learned position embedding) sees them all.
     :class:`~paraxis_tp.strategy.PartialGradSync` tells them apart at the first backward.
-    A layer child that mixes the sequence without being entered is refused
-    (:data:`SEQUENCE_MIXERS`)."""
+    A layer child that mixes the sequence (:data:`SEQUENCE_MIXERS`) without being
+    entered runs whole on every tensor rank (:func:`~paraxis_tp.regions.run_whole`)."""
     name, layers = _layer_list(chunk, plan)
-    _check_mixers_entered(name, layers, out.entered, plan.model_class)
+    for mixer in _mixers_not_entered(name, layers, out, plan.model_class):
+        run_whole(mixer, group)
     layers[first_layer].register_forward_pre_hook(
         lambda m, args, kwargs: map_first_input(lambda x: split_tokens(x, group),
                                                 args, kwargs), with_kwargs=True)
+    head = getattr(chunk, "get_output_embeddings", lambda: None)()
+    head = head if isinstance(head, nn.Linear) else getattr(chunk, "lm_head", None)
+    if isinstance(head, nn.Linear) and "tensor" not in placement_of(head.weight).sharded_axes:
+        # A head the plan leaves whole gets the whole sequence (every rank computes the
+        # same logits, so the gathered input's gradient is this rank's slice).
+        head.register_forward_pre_hook(
+            lambda m, args, kwargs: map_first_input(
+                lambda x: gather_tokens(x, group, grad="slice"), args, kwargs),
+            with_kwargs=True)
     if not first_stage:
         # Every use of the gathered input is replicated over the tensor group (masks,
         # positions, then the split above), so its gradient is this rank's slice.

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from paraxis.parallel.model_plan import PlanError
-from paraxis.runtime.differentiable import all_gather, copy_to, reduce_from, reduce_scatter
+from paraxis.runtime.differentiable import all_gather, copy_to, reduce_from, reduce_scatter, split
 from paraxis.runtime.grid import AxisGroup
 from paraxis_tp.layers import map_first_input, sharded_parameter
 
@@ -113,6 +113,31 @@ def enter_region(module: nn.Module, group: AxisGroup, *, sequence_parallel: bool
                                      with_kwargs=True)
     module.register_forward_hook(lambda m, args, out: _map_output(leave, out))
     module.paraxis_tensor = "region"
+
+
+def run_whole(module: nn.Module, group: AxisGroup) -> None:
+    """Under sequence parallelism, a sequence mixer the tensor plan does not enter (an
+    attention, state-space or convolution block the plan leaves whole: multi-head latent
+    attention, linear attention, Mamba mixers) runs on the whole sequence on every
+    tensor rank: its hidden-state input is all-gathered along the tokens and its output
+    split back to this rank's tokens. Every rank then computes the same whole function
+    from the same whole output gradient (the split's backward gathers it), so the
+    input's gradient is this rank's slice of an identical whole (``grad="slice"``) and
+    the module's parameters get whole, identical gradients on every rank: nothing is
+    summed. The cost is t copies of that module's compute and one all-gather of its
+    input per call; the masks and rotary tables it takes are already whole (transformers
+    builds them from the embedding's output, before the sequence is split)."""
+
+    def enter(t: torch.Tensor) -> torch.Tensor:
+        return all_gather(t, group, dim=_token_dim(t), grad="slice").contiguous()
+
+    def leave(t: torch.Tensor) -> torch.Tensor:
+        return split(t, group, dim=_token_dim(t)).contiguous()
+
+    module.register_forward_pre_hook(
+        lambda m, args, kwargs: map_first_input(enter, args, kwargs), with_kwargs=True)
+    module.register_forward_hook(lambda m, args, out: _map_output(leave, out))
+    module.paraxis_tensor = "whole on every rank (sequence gathered)"
 
 
 def scale_identity_expert(module: nn.Module, group: AxisGroup) -> None:
