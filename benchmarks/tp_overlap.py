@@ -36,7 +36,7 @@ from common import (
 
 import paraxis
 from paraxis import shutdown
-from paraxis.planner.svg import _rect, _text
+from paraxis.planner.svg import svg_rect, svg_text
 from paraxis.runtime import collectives, ring
 
 VARIANTS = ("on", "off")
@@ -148,7 +148,7 @@ def _panel(traces: dict[str, list], span: float, width: int, y: float, what: str
     training thread, gloo's transfers in flight on the lane below; a shared time axis."""
     left, half = 150, (row - 4) / 2
     scale = (width - left - 20) / span
-    out = [_text(10, y + 18, f"Tensor 2 + SP, one training step per rank, {what} "
+    out = [svg_text(10, y + 18, f"Tensor 2 + SP, one training step per rank, {what} "
                              f"({span * 1e3:.0f} ms): blue GEMM, red blocked in a "
                              "collective, orange gloo transfer in flight", size=13)]
     y += 30
@@ -157,11 +157,11 @@ def _panel(traces: dict[str, list], span: float, width: int, y: float, what: str
         lanes = (("compute", lambda k, th, m=main: th == m and k != "transfer"),
                  ("transfer", lambda k, th: k == "transfer"))
         for lane, pick in lanes:
-            out.append(_text(left - 6, y + 12, f"{label} {lane}", anchor="end", size=11))
+            out.append(svg_text(left - 6, y + 12, f"{label} {lane}", anchor="end", size=11))
             shown = [(k, s, min(e, span)) for k, s, e, th in events if pick(k, th) and s < span]
             for kind, s, e in _merged(shown, 1 / scale):
                 top = y + half if kind == "wait" else y
-                out.append(_rect(left + s * scale, top, max((e - s) * scale, 0.5),
+                out.append(svg_rect(left + s * scale, top, max((e - s) * scale, 0.5),
                                  half if lane == "compute" else row - 4, COLORS[kind],
                                  f"{kind} {s * 1e3:.2f}-{e * 1e3:.2f} ms"))
             y += row
