@@ -25,6 +25,9 @@ SAMPLE = {
     "kimi_linear": "linear attention (KDA) and short convolutions the tensor plan leaves "
                    "whole, run on the whole sequence on every tensor rank under SP; "
                    "experts kept whole",
+    "qwen3_5_moe_text": "gated delta-net linear attention whose projections the tensor "
+                        "plan shards (colwise_gather_output) without entering it: run "
+                        "whole under SP, those projections entering as Megatron's f",
 }
 # The columns this package answers for (expert and context belong to their axes).
 COLUMNS = (OWN_LOSS, "data=2", "tensor=2", "tensor=2 SP", "pipeline=2")

@@ -45,15 +45,14 @@ the first receives its activations split and gathers them at its input.
 from __future__ import annotations
 
 import functools
-import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
 from paraxis.parallel.model_plan import ModelPlan, PlanError
 from paraxis.parallel.placement import placement_of, set_placement
-from paraxis.parallel.stages import Absent, SkipLayer
+from paraxis.parallel.stages import Absent
 from paraxis.runtime.differentiable import copy_to
 from paraxis.runtime.grid import AxisGroup
 from paraxis_tp.cross_entropy import VocabParallelLoss
@@ -63,14 +62,12 @@ from paraxis_tp.layers import (
     shard_column,
     shard_embedding,
     shard_row,
-    split_tokens,
 )
 from paraxis_tp.overlap import OverlappedEntry, eligible
 from paraxis_tp.regions import (
     REGION_STYLES,
     enter_region,
     mla_rotary_entry,
-    run_whole,
     scale_identity_expert,
     shard_parameter,
 )
@@ -96,6 +93,10 @@ class TensorParallelApplied:
         self.rng: TensorParallelRNG | None = None
         self.replaced: dict[str, str] = {}
         self.entered: set[str] = set()  # blocks entered at their input
+        # Under sequence parallelism, column layers outside any entered block that gather
+        # their output: name -> their entry, which a mixer run whole rebinds
+        # (:func:`paraxis_tp.sequence.shard_sequence`).
+        self.gathered_entries: dict[str, Entry] = {}
 
 
 def _padded(n: int, t: int) -> int:
@@ -179,7 +180,10 @@ def apply_tensor_plan(model: nn.Module, plan: ModelPlan, group: AxisGroup, *,
             padded = _padded(vocab, group.size) if is_logits or gather else None
             entry = (None if sp else shared.setdefault(parent, SharedEntry(enter))) \
                 if in_block else enter
-            if overlap and eligible(module):
+            if sp and gather and not in_block:
+                # Not overlapped: a mixer run whole rebinds this entry (Megatron's f).
+                entry = out.gathered_entries[name] = Entry(enter)
+            elif overlap and eligible(module):
                 entry = None if in_block else OverlappedEntry(group)
                 (fused.setdefault(parent, OverlappedEntry(group)) if in_block
                  else entry).add(module)
@@ -236,6 +240,17 @@ def _apply_other(model: nn.Module, name: str, style: str, group: AxisGroup, sp: 
                         "projection beside it)")
 
 
+class Entry:
+    """A column layer's entry (Megatron's f, or the all-gather along the sequence) that
+    can be rebound after the plan is applied."""
+
+    def __init__(self, enter: Callable):
+        self.enter = enter
+
+    def __call__(self, x: Any) -> Any:
+        return self.enter(x)
+
+
 class SharedEntry:
     """Enter the region once per distinct input tensor: siblings fed the same tensor get
     the same entered tensor (one backward all-reduce), anything else enters on its own."""
@@ -273,94 +288,6 @@ def _enter_block(block: nn.Module, enter: Callable | None, rng: TensorParallelRN
 
     block.register_forward_pre_hook(pre, with_kwargs=True)
     block.register_forward_hook(post)
-
-
-# Children of a layer that mix information along the sequence (attention, state-space
-# and convolution mixers, linear attention, recurrences): under sequence parallelism each
-# must be a block the plan enters (gathering the sequence) or run whole (regions.run_whole),
-# or it would see 1/t of it.
-SEQUENCE_MIXERS = re.compile(r"(attn|attention|mixer|mamba|ssm|conv|recurrent|rnn|lstm|"
-                             r"time_mix|token_mix|temporal_block)$")
-
-
-def _layer_list(chunk: nn.Module, plan: ModelPlan) -> tuple[str, nn.ModuleList]:
-    """The pipeline plan's layer list, else the longest ModuleList (as recomputation)."""
-    for name in plan.pipeline:
-        if isinstance(_maybe(chunk, name), nn.ModuleList):
-            return name, chunk.get_submodule(name)
-    lists = [(n, m) for n, m in chunk.named_modules() if isinstance(m, nn.ModuleList)]
-    if not lists:
-        raise PlanError(f"{plan.model_class}: sequence parallelism found no layer list")
-    return max(lists, key=lambda nm: len(nm[1]))
-
-
-def _under(prefix: str, names: Iterable[str]) -> list[str]:
-    return [n for n in names if n == prefix or n.startswith(f"{prefix}.")]
-
-
-def _mixers_not_entered(name: str, layers: nn.ModuleList, applied: TensorParallelApplied,
-                        model_class: str) -> list[nn.Module]:
-    """The layers' sequence mixers the tensor plan enters none of; one the plan shards
-    parts of without entering it at its input is refused (run whole, its sharded parts
-    would gather the already whole sequence again)."""
-    out = []
-    for i, layer in enumerate(layers):
-        if isinstance(layer, SkipLayer):
-            continue
-        for child, module in layer.named_children():
-            full = f"{name}.{i}.{child}"
-            if not SEQUENCE_MIXERS.search(child) or _under(full, applied.entered):
-                continue
-            if sharded := _under(full, applied.replaced):
-                raise PlanError(
-                    f"{model_class}: {full} mixes the sequence and the tensor plan shards "
-                    f"{sharded[0]} ({applied.replaced[sharded[0]]}) without entering the "
-                    "block at its input, so under sequence parallelism it would see 1/t of "
-                    "the sequence, and run whole it would gather it twice; set "
-                    "sequence_parallel: false (tensor parallelism without it runs this model)")
-            out.append(module)
-    return out
-
-
-def shard_sequence(chunk: nn.Module, plan: ModelPlan, group: AxisGroup,
-                   out: TensorParallelApplied, *, first_layer: int, first_stage: bool) -> None:
-    """Split the residual stream at the input of the chunk's first layer; on a stage
-    after the first, first gather the split activations the previous stage sent. A
-    parameter still replicated over the tensor axis that acts on the split stream (a
-    layer's norms) then sees only its rank's tokens, so its gradient is partial; one used
-    before the split (a learned position embedding) sees them all.
-    :class:`~paraxis_tp.strategy.PartialGradSync` tells them apart at the first backward.
-    A layer child that mixes the sequence (:data:`SEQUENCE_MIXERS`) without being
-    entered runs whole on every tensor rank (:func:`~paraxis_tp.regions.run_whole`)."""
-    name, layers = _layer_list(chunk, plan)
-    for mixer in _mixers_not_entered(name, layers, out, plan.model_class):
-        run_whole(mixer, group)
-    layers[first_layer].register_forward_pre_hook(
-        lambda m, args, kwargs: map_first_input(lambda x: split_tokens(x, group),
-                                                args, kwargs), with_kwargs=True)
-    head = getattr(chunk, "get_output_embeddings", lambda: None)()
-    head = head if isinstance(head, nn.Linear) else getattr(chunk, "lm_head", None)
-    if isinstance(head, nn.Linear) and "tensor" not in placement_of(head.weight).sharded_axes:
-        # A head the plan leaves whole gets the whole sequence (every rank computes the
-        # same logits, so the gathered input's gradient is this rank's slice).
-        head.register_forward_pre_hook(
-            lambda m, args, kwargs: map_first_input(
-                lambda x: gather_tokens(x, group, grad="slice"), args, kwargs),
-            with_kwargs=True)
-    if not first_stage:
-        # Every use of the gathered input is replicated over the tensor group (masks,
-        # positions, then the split above), so its gradient is this rank's slice.
-        chunk.register_forward_pre_hook(
-            lambda m, args, kwargs: map_first_input(
-                lambda x: gather_tokens(x, group, grad="slice"), args, kwargs),
-            with_kwargs=True)
-
-
-def _maybe(model: nn.Module, name: str) -> nn.Module | None:
-    try:
-        return model.get_submodule(name)
-    except AttributeError:
-        return None
 
 
 def mark_partial(params: list[nn.Parameter]) -> None:

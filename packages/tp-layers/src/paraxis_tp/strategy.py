@@ -24,8 +24,9 @@ from paraxis.parallel.strategy import ApplyContext, Phase, Strategy, SyncOrder
 from paraxis.runtime.collectives import all_gather_into, all_reduce_
 from paraxis.runtime.grid import AxisGroup
 from paraxis.runtime.world import device_for_rank
-from paraxis_tp.apply import TensorParallelApplied, apply_tensor_plan, mark_partial, shard_sequence
+from paraxis_tp.apply import TensorParallelApplied, apply_tensor_plan, mark_partial
 from paraxis_tp.rng import TensorParallelRNG
+from paraxis_tp.sequence import shard_sequence
 
 __all__ = ["PartialGradSync", "TensorParallelStrategy", "overlap_wanted"]
 

@@ -1,0 +1,135 @@
+"""Sequence parallelism around an applied tensor plan: split the residual stream along
+the sequence at a chunk's first layer, run whole the sequence mixers the plan does not
+enter, and give a head the plan leaves whole the whole sequence.
+
+Megatron-LM splits the sequence between its tensor-parallel regions (arXiv:2205.05198);
+every block the plan enters gathers it at its input (:mod:`paraxis_tp.apply`). What the
+plan does not enter but mixes tokens (multi-head latent attention, linear attention,
+Mamba mixers, short convolutions) would see 1/t of the sequence; it runs whole on every
+tensor rank instead (:func:`paraxis_tp.regions.run_whole`). A mixer the plan shards only
+through column layers that gather their output (Qwen3-Next's ``linear_attn``) runs whole
+too: those layers' entries become Megatron's f (identity forward, summed input
+gradient), since their input is already whole. Any other sharded part is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Iterable
+
+from torch import nn
+
+from paraxis.parallel.model_plan import ModelPlan, PlanError
+from paraxis.parallel.placement import placement_of
+from paraxis.parallel.stages import Absent, SkipLayer
+from paraxis.runtime.differentiable import copy_to
+from paraxis.runtime.grid import AxisGroup
+from paraxis_tp.apply import TensorParallelApplied
+from paraxis_tp.layers import gather_tokens, map_first_input, split_tokens
+from paraxis_tp.regions import run_whole
+
+__all__ = ["SEQUENCE_MIXERS", "shard_sequence"]
+
+# Children of a layer that mix information along the sequence (attention, state-space
+# and convolution mixers, linear attention, recurrences): under sequence parallelism each
+# must be a block the plan enters (gathering the sequence) or run whole (regions.run_whole),
+# or it would see 1/t of it.
+SEQUENCE_MIXERS = re.compile(r"(attn|attention|mixer|mamba|ssm|conv|recurrent|rnn|lstm|"
+                             r"time_mix|token_mix|temporal_block)$")
+
+
+def _maybe(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def _layer_list(chunk: nn.Module, plan: ModelPlan) -> tuple[str, nn.ModuleList]:
+    """The pipeline plan's layer list, else the longest ModuleList (as recomputation)."""
+    for name in plan.pipeline:
+        if isinstance(_maybe(chunk, name), nn.ModuleList):
+            return name, chunk.get_submodule(name)
+    lists = [(n, m) for n, m in chunk.named_modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        raise PlanError(f"{plan.model_class}: sequence parallelism found no layer list")
+    return max(lists, key=lambda nm: len(nm[1]))
+
+
+def _head(chunk: nn.Module, plan: ModelPlan) -> nn.Module | None:
+    """The output head: the pipeline plan's last entry (transformers appends the head's),
+    else the model's output embedding; None on a stage that does not hold it."""
+    if plan.pipeline:
+        head = _maybe(chunk, list(plan.pipeline)[-1])
+    else:
+        head = getattr(chunk, "get_output_embeddings", lambda: None)()
+    return None if head is None or isinstance(head, Absent) else head
+
+
+def _under(prefix: str, names: Iterable[str]) -> list[str]:
+    return [n for n in names if n == prefix or n.startswith(f"{prefix}.")]
+
+
+def _mixers_not_entered(name: str, layers: nn.ModuleList, applied: TensorParallelApplied,
+                        model_class: str) -> list[tuple[nn.Module, list[str]]]:
+    """The layers' sequence mixers the tensor plan enters none of, each with its sharded
+    column layers that gather their output. Any other part the plan shards inside such a
+    mixer is refused: run whole, it would see the whole sequence where the plan expects
+    its rank's share."""
+    out = []
+    for i, layer in enumerate(layers):
+        if isinstance(layer, SkipLayer):
+            continue
+        for child, module in layer.named_children():
+            full = f"{name}.{i}.{child}"
+            if not SEQUENCE_MIXERS.search(child) or _under(full, applied.entered):
+                continue
+            sharded = _under(full, applied.replaced)
+            if other := [n for n in sharded if n not in applied.gathered_entries]:
+                raise PlanError(
+                    f"{model_class}: {full} mixes the sequence and the tensor plan shards "
+                    f"{other[0]} ({applied.replaced[other[0]]}) without entering the "
+                    "block at its input, so under sequence parallelism it would see 1/t of "
+                    "the sequence, and run whole its sharded part would see the whole one; "
+                    "set sequence_parallel: false (tensor parallelism without it runs this "
+                    "model)")
+            out.append((module, sharded))
+    return out
+
+
+def shard_sequence(chunk: nn.Module, plan: ModelPlan, group: AxisGroup,
+                   out: TensorParallelApplied, *, first_layer: int, first_stage: bool) -> None:
+    """Split the residual stream at the input of the chunk's first layer; on a stage
+    after the first, first gather the split activations the previous stage sent. A
+    parameter still replicated over the tensor axis that acts on the split stream (a
+    layer's norms) then sees only its rank's tokens, so its gradient is partial; one used
+    before the split (a learned position embedding) sees them all.
+    :class:`~paraxis_tp.strategy.PartialGradSync` tells them apart at the first backward.
+    A layer child that mixes the sequence (:data:`SEQUENCE_MIXERS`) without being
+    entered runs whole on every tensor rank (:func:`~paraxis_tp.regions.run_whole`)."""
+    name, layers = _layer_list(chunk, plan)
+    for mixer, gathered in _mixers_not_entered(name, layers, out, plan.model_class):
+        run_whole(mixer, group)
+        for column in gathered:
+            # Its input is the whole sequence, the same on every rank: it enters as
+            # Megatron's f, and its gathered output is the same whole on every rank.
+            out.gathered_entries[column].enter = functools.partial(copy_to, group=group)
+    layers[first_layer].register_forward_pre_hook(
+        lambda m, args, kwargs: map_first_input(lambda x: split_tokens(x, group),
+                                                args, kwargs), with_kwargs=True)
+    head = _head(chunk, plan)
+    if isinstance(head, nn.Linear) and "tensor" not in placement_of(head.weight).sharded_axes:
+        # A head the plan leaves whole gets the whole sequence (every rank computes the
+        # same logits, so the gathered input's gradient is this rank's slice).
+        head.register_forward_pre_hook(
+            lambda m, args, kwargs: map_first_input(
+                lambda x: gather_tokens(x, group, grad="slice"), args, kwargs),
+            with_kwargs=True)
+    if not first_stage:
+        # Every use of the gathered input is replicated over the tensor group (masks,
+        # positions, then the split above), so its gradient is this rank's slice.
+        chunk.register_forward_pre_hook(
+            lambda m, args, kwargs: map_first_input(
+                lambda x: gather_tokens(x, group, grad="slice"), args, kwargs),
+            with_kwargs=True)
