@@ -177,6 +177,9 @@ def test_a_cell_fails_when_a_rank_holds_other_bytes_than_the_plan_gives():
     ("llama", {"tensor": 2}, 1.0, 0.0),  # every parameter but the norms is named
     ("mixtral", {"tensor": 2}, 0.17, 0.82),  # experts stay whole over tensor
     ("mixtral", {"expert": 2}, 0.82, 0.0),
+    # expert_tensor = tensor (what a tensor column runs where parallelize accepts it):
+    # every expert's FFN split over tensor too, so nothing stays whole but the norms.
+    ("mixtral", {"tensor": 2, "expert_tensor": 2}, 0.99, 0.0),
 ])
 def test_the_expected_share_is_read_from_the_plan(model_type, degrees, split, experts_whole):
     from paraxis import make_plugin_manager
@@ -193,6 +196,8 @@ def test_the_expected_share_is_read_from_the_plan(model_type, degrees, split, ex
     assert want["split"] / whole == pytest.approx(split, abs=0.01)
     assert want["replicated_experts"] / whole == pytest.approx(experts_whole, abs=0.01)
     assert want["bytes"] == whole - want["split"] // 2  # every split tensor divides by 2
+    assert want["split_experts"] / whole == pytest.approx(  # split by either axis
+        0.0 if experts_whole or model_type == "llama" else 0.82, abs=0.01)
 
 
 def test_a_defect_the_probe_caught_is_a_failure_not_a_refusal():

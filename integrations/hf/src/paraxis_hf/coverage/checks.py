@@ -201,7 +201,8 @@ def shard_proof(engine: Any, whole: int, layout: dict[str, Any] | None = None
         "claimed": sum(math.prod(r.local_shape) * p.element_size()
                        for r, p in zip(records, params, strict=True)),
         "whole": whole,
-        "experts_replicated_over_tensor": len(kept) if engine.grid.size("tensor") > 1 else 0,
+        "experts_replicated_over_tensor": len(kept) if engine.grid.size("tensor") > 1
+        and engine.config.parallelism.expert_tensor == 1 else 0,
         "experts_sharded_over_tensor": sum({"expert", "tensor"} <= set(r.sharded_axes)
                                            for r in records),
     }
@@ -214,6 +215,7 @@ def _expected(engine: Any, layout: dict[str, Any] | None) -> dict[str, Any] | No
     if layout is None:
         return None
     degrees = {a: engine.grid.size(a) for a in ("tensor", "expert", "pipeline")}
+    degrees["expert_tensor"] = engine.config.parallelism.expert_tensor
     stages = spec = None
     if degrees["pipeline"] > 1:
         stages, spec = engine.ctx.pipeline, StageSpec.from_plan(engine.model, engine.plan)

@@ -124,6 +124,21 @@ def _has_experts(model: Any) -> bool:
     return any(isinstance(getattr(m, "experts", None), nn.Module) for m in model.modules())
 
 
+def _split_experts(model: Any, check: Check, plugin_manager: Any) -> tuple[Check, str]:
+    """A tensor column on a mixture-of-experts family splits each expert's FFN over the
+    tensor group too (``expert_tensor`` = the tensor degree, Megatron-Core's default),
+    where ``parallelize`` accepts it; elsewhere the experts stay whole on every tensor
+    rank, and the returned words say why."""
+    degree = int(check.kwargs.get("tensor", 1))
+    if check.axis != "tensor" or degree == 1 or not _has_experts(model):
+        return check, ""
+    split = dataclasses.replace(check, kwargs={**check.kwargs, "expert_tensor": degree})
+    refusal = preflight_refusal(model, split, plugin_manager)
+    if refusal is None:
+        return split, ""
+    return check, f"expert_tensor {degree} refused: {refusal.detail}"
+
+
 def _judge_drift(prepared: Prepared, check: Check, results: list[dict[str, Any]],
                  cell: Outcome, worlds: Any, *, timeout: float) -> Outcome:
     """A failing run judged from the reference's weights and against float64
@@ -160,6 +175,7 @@ def run_checks(prepared: Prepared, checks: Iterable[Check], worlds: Any, *,
     row.cells[OWN_LOSS] = own_loss(ref)
     for check in checks:
         began = time.perf_counter()
+        check, kept_whole = _split_experts(model, check, pm)
         refusal = preflight_refusal(model, check, pm)
         if refusal is not None:
             row.cells[check.name] = refusal
@@ -178,6 +194,8 @@ def run_checks(prepared: Prepared, checks: Iterable[Check], worlds: Any, *,
             cell = split_explained(want, split, results, cell, check.world)
         if cell.status == "fail" and all("losses" in r for r in results):
             cell = _judge_drift(prepared, check, results, cell, worlds, timeout=timeout)
+        if kept_whole and cell.status == "pass":
+            cell = dataclasses.replace(cell, detail=f"{cell.detail} ({kept_whole})")
         row.cells[check.name] = dataclasses.replace(cell, seconds=time.perf_counter() - began)
         if _maybe_out_of_step(results):
             worlds.restart(check.world)

@@ -11,8 +11,9 @@ whole model is given the bytes the layout should leave on the rank:
   or its ``nn.Linear`` / ``nn.Embedding`` under a column, row or vocabulary style) holds
   1/t of its split dimension (a row-parallel bias stays whole; logits and gathered
   outputs may be padded up to a multiple of ``t``); the rest is replicated, experts
-  among it (paraxis keeps each expert whole over tensor);
-* expert ``e``: the tensors of the plan's expert blocks' ``experts`` hold 1/e;
+  among it (each expert whole over tensor, unless ``expert_tensor`` splits it);
+* expert ``e``: the tensors of the plan's expert blocks' ``experts`` hold 1/e, and
+  1/``expert_tensor`` of that (each expert's FFN split over the tensor group);
 * pipeline: a stage holds its layers, the embedding and the modules before the layers
   if it is the first, the head and the modules after them if it is the last, and
   everything else (held by every stage).
@@ -112,8 +113,9 @@ def expected_share(layout: dict[str, Any], plan: Any, degrees: dict[str, int],
     what it leaves whole on the rank (``replicated``, experts apart) and the bytes the
     stage does not hold (``elsewhere``)."""
     t, e = degrees.get("tensor", 1), degrees.get("expert", 1)
+    etp = degrees.get("expert_tensor", 1)
     experts = [f"{block}.experts" for block in plan.experts]
-    out = {"bytes": 0, "split": 0, "replicated": 0, "replicated_experts": 0,
+    out = {"bytes": 0, "split": 0, "split_experts": 0, "replicated": 0, "replicated_experts": 0,
            "elsewhere": 0, "every_stage": 0, "per_name": {}}
     for names, shape, size in layout["params"]:
         whole = math.prod(shape) * size
@@ -127,13 +129,14 @@ def expected_share(layout: dict[str, Any], plan: Any, degrees: dict[str, int],
         numel = _tensor_numel(names, shape, plan, layout["kinds"], t) if t > 1 \
             else math.prod(shape)
         is_expert = any(_under(n, experts) for n in names)
-        if is_expert and e > 1:
-            numel //= e
+        if is_expert:
+            numel //= e * etp
         held = numel * size
         out["bytes"] += held
         out["per_name"][names[0]] = held
         if held < whole:
             out["split"] += whole
+            out["split_experts"] += whole if is_expert else 0
         elif is_expert:
             out["replicated_experts"] += whole
         else:
@@ -179,6 +182,8 @@ def _share_words(want: dict[str, Any], whole: int, axis: str, check: Check) -> s
                 "every stage)")
     degree = int(check.kwargs.get(axis, 1))
     what = "experts" if axis == "expert" else "named by the tensor plan"
+    if axis == "tensor" and want.get("split_experts"):
+        what += f", experts {want['split_experts'] / whole:.2f} of it"
     words = (f"the plan gives ({want['split'] / whole:.2f} of the model {what}, split "
              f"1/{degree}; {(want['replicated'] + want['replicated_experts']) / whole:.2f}"
              " replicated")
