@@ -52,3 +52,27 @@ def test_an_moe_layout_paraxis_does_not_know_names_the_module():
     text = refused(model, expert=2)
     assert "model.layers.1.mlp.experts (ModuleList)" in text
     assert "fused" in text
+
+
+def test_a_shared_expert_the_tensor_degree_cannot_split_is_refused():
+    # Qwen3-Next's tensor plan splits its shared expert's FFN (gate/up by columns, down by
+    # rows); a width of 33 does not split over 2 ranks, which no model-shape rule sees.
+    from paraxis_hf.debug import build_causal_lm
+
+    model = build_causal_lm("qwen3_next", dict(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        shared_expert_intermediate_size=33, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, num_experts=4, num_experts_per_tok=2))
+    for layout in ({"tensor": 2}, {"tensor": 2, "expert": 2, "sequence_parallel": True}):
+        text = refused(model, **layout)
+        assert "model.layers.0.mlp.shared_expert.gate_proj.out_features = 33: the tensor " \
+               "plan splits it (colwise) over the tensor degree 2" in text, text
+        assert "mlp.shared_expert.down_proj.in_features = 33" in text
+        assert "choose tensor among [1, 3, 11, 33]" in text
+
+
+def test_an_expert_tensor_degree_that_does_not_divide_the_expert_width_is_refused():
+    model = build_debug_model("mixtral", intermediate_size=33)
+    text = refused(model, tensor=2, expert_tensor=2)
+    assert "expert FFN width 33 is not divisible by expert_tensor 2" in text, text
+

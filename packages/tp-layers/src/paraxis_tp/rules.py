@@ -3,12 +3,23 @@
 
 from __future__ import annotations
 
+import fnmatch
+from typing import Any
+
+from torch import nn
+
 from paraxis.config.errors import Problem
 from paraxis.config.parallel import ParallelConfig
 from paraxis.config.rules import divides, divisors
 from paraxis.config.shape import ModelShape
 
-__all__ = ["check_tensor"]
+__all__ = ["check_split_widths", "check_tensor"]
+
+# Styles that split a linear layer's width with no padding, and the width they split:
+# (attribute, packed blocks). Padded styles (gathered outputs, the vocabulary) are not
+# here: any width splits.
+_UNPADDED = {"colwise": ("out_features", 1), "packed_colwise": ("out_features", 2),
+             "rowwise": ("in_features", 1), "rowwise_split_input": ("in_features", 1)}
 
 
 def check_tensor(config: ParallelConfig, model: ModelShape | None) -> list[Problem]:
@@ -60,3 +71,30 @@ def _check_overlap(config: ParallelConfig) -> list[Problem]:
                         "supported", "use another pipeline_schedule, or tensor_overlap: "
                         "auto")]
     return []
+
+
+def check_split_widths(model: nn.Module, plan: Any, t: int) -> list[Problem]:
+    """Every linear layer the tensor plan splits without padding must split evenly over
+    ``t`` ranks: a column (or each packed block) its output features, a row its input
+    features. The model shape's rules cover the dense widths (``intermediate_size``...);
+    this finds the others, such as a shared expert's FFN, by module, one problem per
+    plan entry, before any process group."""
+    if t == 1 or plan is None:
+        return []
+    found: dict[str, Problem] = {}
+    for name, module in model.named_modules():
+        style = plan.tensor_style(name)
+        if style not in _UNPADDED or not isinstance(module, nn.Linear):
+            continue
+        attr, parts = _UNPADDED[style]
+        width = getattr(module, attr)
+        pattern = next(p for p in plan.tensor if fnmatch.fnmatchcase(name, p))
+        if width % (parts * t) and pattern not in found:
+            per = f" in each of its {parts} packed blocks" if parts > 1 else ""
+            found[pattern] = Problem(
+                f"{name}.{attr}", width,
+                f"the tensor plan splits it ({style}) over the tensor degree {t}, which "
+                f"does not divide it{per}",
+                f"choose tensor among {divisors(width // parts)}, or a plan that keeps "
+                "this layer whole")
+    return list(found.values())

@@ -12,10 +12,12 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
+from paraxis.config.errors import Problem
 from paraxis.parallel.model_plan import ModelPlan
 from paraxis.parallel.numerics import REDUCTION_RTOL
 from paraxis.parallel.placement import placement_of
@@ -26,6 +28,7 @@ from paraxis.runtime.grid import AxisGroup
 from paraxis.runtime.world import device_for_rank
 from paraxis_tp.apply import TensorParallelApplied, apply_tensor_plan, mark_partial
 from paraxis_tp.rng import TensorParallelRNG
+from paraxis_tp.rules import check_split_widths
 from paraxis_tp.sequence import shard_sequence
 
 __all__ = ["PartialGradSync", "TensorParallelStrategy", "overlap_wanted"]
@@ -113,6 +116,12 @@ def overlap_wanted(option: str, group: AxisGroup) -> bool:
 class TensorParallelStrategy(Strategy):
     axis = "tensor"
     phase = Phase.PARTITION
+
+    @classmethod
+    def check_model(cls, model: nn.Module, config: Any, plan: object | None) -> list[Problem]:
+        """Linear layers the plan splits whose width the degree does not divide (a
+        shared expert's FFN, say), named before any process group."""
+        return check_split_widths(model, plan, config.parallelism.tensor)
 
     def apply(self, model: nn.Module, ctx: ApplyContext) -> nn.Module:
         plan = ctx.plan
