@@ -44,33 +44,50 @@ def transformers_tp_ep(args: argparse.Namespace, world: int, *, fsdp: bool):
         apply_expert_parallelism(model, experts["ep"], dense["tp"], ep_plan)
         tp_group, dp_group = dense["tp"].get_group(), dense["dp"].get_group()
     params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=1e-4, foreach=False)
+    # AdamW on the local shards (plain tensors, foreach): the same update without DTensor's
+    # per-op dispatch on every parameter (the peer's optimizer step took about 2x longer).
+    with torch.no_grad():  # leaves aliasing the shards' storage
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+    opt = torch.optim.AdamW(local, lr=1e-4, foreach=True)
 
-    def step(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         opt.zero_grad(set_to_none=True)
         out = model(input_ids=ids, labels=ids, output_router_logits=True, use_cache=False)
         out.loss.backward()
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+        grads = [shard_of(p) for p in params]
         if dp_group is not None:
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=dp_group)
             flat /= dp
             torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(
                 flat.split([g.numel() for g in grads]), grads, strict=True)])
-        clip(params, grads, tp_group)
+        norm = clip(params, grads, tp_group)
+        for t, g in zip(local, grads, strict=True):
+            t.grad = g
         opt.step()
         lm = out.loss - model.config.router_aux_loss_coef * out.aux_loss
-        return lm.detach(), out.loss.detach()
+        return lm.detach(), out.loss.detach(), norm
 
     return step
 
 
-def clip(params, grads, group) -> None:
-    """Global-norm clipping to 1 with one all-reduce: a gradient sharded over a mesh dim
-    of size > 1 (tensor-sharded dense, or experts over ep: the same ranks as tp here)
-    adds its shard's squares, summed over the group; a replicated one is counted once.
-    (torch's ``clip_grad_norm_`` refuses DTensors on different meshes, and reducing each
-    mesh's DTensor norm costs two all-reduces per mesh.)"""
+def shard_of(p) -> torch.Tensor:
+    """This rank's gradient laid out as its parameter (the embedding's comes back
+    Replicate while the weight is Shard(0): a local slice, no communication)."""
+    g = p.grad
+    if not isinstance(g, DTensor):
+        return g
+    if g.placements != p.placements:
+        g = g.redistribute(p.device_mesh, p.placements)
+    return g.to_local()
+
+
+def clip(params, grads, group) -> torch.Tensor:
+    """Global-norm clipping to 1 with one all-reduce; returns the norm before clipping. A
+    parameter sharded over a mesh dim of size > 1 (tensor-sharded dense, or experts over
+    ep: the same ranks as tp here) adds its shard's squares, summed over the group; a
+    replicated one is counted once. (torch's ``clip_grad_norm_`` refuses DTensors on
+    different meshes, and a DTensor norm per mesh costs two all-reduces each.)"""
     def sharded(p) -> bool:
         return isinstance(p, DTensor) and any(
             pl.is_shard() and p.device_mesh.size(i) > 1 for i, pl in enumerate(p.placements))
@@ -78,8 +95,9 @@ def clip(params, grads, group) -> None:
     sq = [sum((g.square().sum() for p, g in zip(params, grads, strict=True)
                if sharded(p) == s), torch.zeros(())) for s in (True, False)]
     dist.all_reduce(sq[0], group=group)
-    scale = torch.clamp(1.0 / ((sq[0] + sq[1]).sqrt() + 1e-6), max=1.0)
-    torch._foreach_mul_(grads, scale)
+    norm = (sq[0] + sq[1]).sqrt()
+    torch._foreach_mul_(grads, torch.clamp(1.0 / (norm + 1e-6), max=1.0))
+    return norm
 
 
 PEERS = ("transformers", "transformers, flat all-reduce")
@@ -104,14 +122,16 @@ def main_tp(args: argparse.Namespace, world: int) -> None:
         return torch.randint(0, 256, (args.batch, args.seq), generator=g)
 
     # Parity: two steps on one batch; the second step's loss checks the first update
-    # (gradient average, clip, AdamW) as well. (LM loss, with load-balancing, 2nd LM loss)
+    # (gradient average, clip, AdamW) as well, and the gradient norm its scale (Adam's
+    # first update hardly depends on it). (LM loss, with load-balancing, 2nd LM loss, norm)
     fixed, first = batch(), {}
     for c, e in engines.items():
         m, m2 = e.train_step(fixed), e.train_step(fixed)
-        first[f"paraxis chunks {c}"] = (m["loss"], m["loss"] + m["moe/aux_loss"], m2["loss"])
+        first[f"paraxis chunks {c}"] = (m["loss"], m["loss"] + m["moe/aux_loss"], m2["loss"],
+                                        m["grad_norm"])
     for name, peer in peers.items():
-        (lm, total), (lm2, _) = peer(fixed), peer(fixed)
-        losses = torch.stack([lm, total, lm2]).double()
+        (lm, total, norm), (lm2, _, _) = peer(fixed), peer(fixed)
+        losses = torch.stack([lm, total, lm2, norm]).double()
         dist.all_reduce(losses)
         first[name] = tuple((losses / world).tolist())  # the mean over the batches
     seen: dict[str, list[dict[str, float]]] = {str(c): [] for c in args.chunks}
@@ -184,9 +204,14 @@ def report_tp(args, world, expert, run, first, seen, load) -> None:
     measured = payload[f"chunks_{base}"]["dispatch_bytes"]
     gap = max(max(v[i] for v in first.values()) - min(v[i] for v in first.values())
               for i in (0, 2))
-    payload["lm_loss_gap"] = gap
+    norms = [v[3] for v in first.values()]
+    norm_gap = (max(norms) - min(norms)) / min(norms)
+    payload["lm_loss_gap"], payload["grad_norm_rel_gap"] = gap, norm_gap
+    # The load-balancing term's batch (above) moves the norm by ~1e-5; a wrong gradient
+    # average or clip moves it by far more.
+    fair = "equal" if gap < 1e-5 and norm_gap < 1e-3 else "DIFFERENT: not a fair pairing"
     losses = "; ".join(f"{k}: LM {v[0]:.6f}, with load-balancing {v[1]:.6f}, second step "
-                       f"LM {v[2]:.6f}" for k, v in first.items())
+                       f"LM {v[2]:.6f}, gradient norm {v[3]:.6f}" for k, v in first.items())
     md = "\n".join([
         f"## Expert {expert} x tensor {args.tensor}: paraxis vs transformers' tensor + "
         "expert plans", "",
@@ -208,9 +233,10 @@ def report_tp(args, world, expert, run, first, seen, load) -> None:
         "their batch (paraxis: each tensor rank its half of the sequence, under SP). Its TP "
         "has no sequence parallelism (`enable_sequence_parallel`: not wired up yet). "
         f"Parity, two steps on one batch (losses: mean over the batches): {losses}. The "
-        f"language-model losses agree within {gap:.1e} (both steps); the totals differ by "
-        "transformers' load-balancing term over each batch against paraxis's over the "
-        "global batch.", "",
+        f"language-model losses agree within {gap:.1e} (both steps), the first step's "
+        f"gradient norms within {norm_gap:.1e} (relative); the totals and the norms "
+        "differ by transformers' load-balancing term over each batch against paraxis's "
+        f"over the global batch. Parity: **{fair}**.", "",
         "| variant | median step (ms) | median exposed all-to-all (ms) | median "
         "`moe/a2a_exposed_share` |", "| --- | ---: | ---: | ---: |", *rows, "",
         f"Dispatch bytes per rank per step (paraxis `moe/dispatch_bytes`, chunks {base}): "
@@ -222,4 +248,4 @@ def report_tp(args, world, expert, run, first, seen, load) -> None:
     if not args.no_write:
         write_section(f"moe_vs_peer_e{expert}t{args.tensor}", md, payload)
     print(lines[0])
-    print(f"best peer: {best}")
+    print(f"best peer: {best}; parity: {fair}")
