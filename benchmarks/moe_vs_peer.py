@@ -1,6 +1,7 @@
 """paraxis expert parallelism against transformers' own expert-parallel plan, paired.
 
     torchrun --nproc-per-node 2 benchmarks/moe_vs_peer.py
+    torchrun --nproc-per-node 4 benchmarks/moe_vs_peer.py --tensor 2 --chunks 1 2
 
 The same tiny Mixtral (built from config) is laid out twice over expert=N (N ranks,
 each its own tokens): paraxis through ``parallelize(model, expert=N)``, and transformers'
@@ -19,6 +20,37 @@ pair (dispatch + combine) under uniform routing, times 4 bytes, layers, and 2 (b
 repeats both exchanges): T tokens per rank, k experts per token, h hidden, N expert ranks
 ((N-1)/N is the fraction of a rank's pairs whose expert lives elsewhere; with one
 expert per rank it is the issue's (E-1)/E).
+
+``--tensor 2`` (4 ranks: expert 2 x tensor 2, section ``moe_vs_peer_e2t2``): paraxis
+``parallelize(model, expert=2, tensor=2, sequence_parallel=True)`` (Megatron-Core's rule:
+expert x tensor needs SP; each tensor rank routes its half of the sequence; experts whole,
+E/2 per rank) once per ``--chunks`` value (``moe.dispatch_chunks``; 1 first), against
+transformers' own composition of its tensor and expert plans, twice:
+
+- as ``from_pretrained(..., distributed_config=DistributedConfig(tp_size=2, ep_size=2,
+  dp_replicate_size=2))`` installs it, through the same ``prepare_distribute_model`` and
+  ``maybe_distribute_model`` called directly (``from_pretrained`` with a
+  ``distributed_config`` refuses to run without ``accelerate``, not installed here):
+  ``base_model_tp_plan`` as DTensors on ``tp`` (attention column/row-wise; no SP:
+  ``enable_sequence_parallel`` is "not wired up yet"), ``base_model_ep_plan`` (E/2 experts
+  per rank, ``AllToAllEP``: each tp rank dispatches its half of the batch's tokens), and
+  FSDP2 replicating over ``dp_replicate`` for the gradient average (fsdp_size 1: nothing
+  sharded, as in paraxis's layout);
+- the same plans (``apply_tensor_parallelism``, ``apply_expert_parallelism``) with one
+  flat all-reduce of the gradients over the batches instead of FSDP2's per-module hooks,
+  as the expert-only peer above does.
+
+The faster of the two is the headline peer. transformers cannot lay its expert group
+across batches as paraxis does (``ep_size`` must be a multiple of ``tp_size`` and divide
+``fsdp_size * tp_size``), so at tp 2 its expert group of 2 is the tensor group: same
+model, tokens, experts per rank and arithmetic, other ranks in the exchange. Parity: two
+steps on one batch, each variant; the language-model losses must agree (transformers'
+load-balancing term is over its own batch, paraxis's ``moe/aux_loss`` over the global
+batch, so the totals differ by ~1e-5). The peers clip with one all-reduce (torch's
+``clip_grad_norm_`` refuses DTensors on different meshes). Reported also: each chunk
+count's ``moe/a2a_exposed_share`` (exposed all-to-all / its lifetime; 1 at one chunk).
+The code is in moe_peer_tp.py (not named ``*_vs_*``: nox's bench session runs those on 2
+ranks).
 """
 
 from __future__ import annotations
@@ -46,6 +78,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    p.add_argument("--tensor", type=int, default=1, help="tensor degree (2: expert 2 x tensor 2)")
+    p.add_argument("--chunks", type=int, nargs="+", default=[1],
+                   help="paraxis moe.dispatch_chunks values to run (--tensor 2 only)")
     return p.parse_args()
 
 
@@ -109,6 +144,11 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
     world = dist.get_world_size()
+    if args.tensor > 1:
+        from moe_peer_tp import main_tp
+
+        main_tp(args, world)
+        return
     engine = paraxis.parallelize(build_mixtral(args), expert=world, verify=False,
                                  train={"steps": 10**6, "lr": 1e-4, "warmup_steps": 0,
                                         "seq_length": args.seq})
