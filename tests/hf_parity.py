@@ -3,8 +3,10 @@ on random tokens under some degrees, against the same model in one process.
 
 The first step's gradients (parameter by parameter, gathered through the placements),
 per-step losses and gradient norms, an evaluation loss and the gathered final weights
-must agree at the shared tolerance (paraxis.testing.tolerance). Functions here run on
-the ranks of the ``worlds`` fixture (spawned workers import this module by name).
+must agree at the shared tolerance (paraxis.testing.tolerance); DeepSeek-V3's correction
+biases, under ``moe.bias_update_rate``, must equal one process's after every step.
+Functions here run on the ranks of the ``worlds`` fixture (spawned workers import this
+module by name).
 """
 
 from __future__ import annotations
@@ -42,9 +44,10 @@ def reference_order(count, microbatches, batch=BATCH):
 def train(family, degrees, overrides, steps, options, order=None, seq=SEQ, batch=BATCH,
           recipe=None):
     """Train ``steps`` steps of ``batch`` sequences of ``seq`` tokens; returns per-step
-    (loss, grad_norm, router loss or None), an eval loss and shards. ``order`` permutes
-    each global batch's samples first; ``recipe`` adds to the train section (precision,
-    optimizer), and the first step's gradients are taken in its precision."""
+    (loss, grad_norm, router loss or None, correction biases or None), an eval loss and
+    shards. ``order`` permutes each global batch's samples first; ``recipe`` adds to the
+    train section (precision, optimizer), and the first step's gradients are taken in its
+    precision."""
     config = ParallelConfig.from_kwargs(**degrees, **options)
     model = build_debug_model(family, **overrides)
     vocab = model.config.vocab_size
@@ -67,7 +70,7 @@ def train(family, degrees, overrides, steps, options, order=None, seq=SEQ, batch
         if recipe.get("compile") and not history:  # what compiled is the layers
             assert engine.ctx.extras["compile"].endswith("layers"), engine.ctx.extras
         m = engine.train_step(share)
-        history.append((m["loss"], m["grad_norm"], m.get("moe/aux_loss")))
+        history.append((m["loss"], m["grad_norm"], m.get("moe/aux_loss"), _biases(engine)))
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(4))
     eval_loss = engine.eval_step(ids[part])
     shards = local_shards(engine.model)
@@ -106,6 +109,8 @@ def compare(worlds, family, degrees, *, overrides=None, steps=8, seq=SEQ, batch=
                       enumerate(("loss", "grad norm", "router loss"))
                       if ref_history[0][i] is not None))
     assert_same_gradients([g for *_, g in out], ref_grads, rtol=rtol)
+    if ref_history[0][3] is not None:  # routing state first: the losses follow from it
+        _assert_same_biases([history for history, *_ in out], ref_history)
     for history, eval_loss, _, _ in out:
         assert_losses_close([h[0] for h in history], [h[0] for h in ref_history], rtol=rtol)
         assert_losses_close([h[1] for h in history], [h[1] for h in ref_history],
@@ -122,3 +127,30 @@ def compare(worlds, family, degrees, *, overrides=None, steps=8, seq=SEQ, batch=
 def _worst(out, reference, i):
     return max(abs(h[i] - r[i]) / abs(r[i]) for history, *_ in out
                for h, r in zip(history, reference, strict=True))
+
+
+def _biases(engine):
+    """This rank's DeepSeek-V3 correction biases by block (a stage holds its own), when
+    ``moe.bias_update_rate`` updates them; else None."""
+    expert = engine.ctx.extras.get("expert")
+    balancer = getattr(expert, "balancer", None)
+    if balancer is None:
+        return None
+    return {name: bias.detach().clone() for name, bias in balancer.biases.items()}
+
+
+def _assert_same_biases(histories, reference):
+    """Every step's biases equal one process's exactly: they move by the sign of the
+    global load, integer counts reduced exactly, so any difference is a routing or a
+    reduction that differs. Every block is held by some rank."""
+    held = set()
+    for history in histories:
+        for step, (h, r) in enumerate(zip(history, reference, strict=True)):
+            assert h[3].keys() <= r[3].keys(), sorted(h[3].keys() - r[3].keys())
+            held |= h[3].keys()
+            for name, bias in h[3].items():
+                assert torch.equal(bias, r[3][name]), (
+                    f"step {step}: {name}'s correction bias {bias.tolist()} differs from "
+                    f"one process's {r[3][name].tolist()}")
+    assert held == reference[0][3].keys(), sorted(reference[0][3].keys() - held)
+    assert any(b.abs().max() > 0 for b in reference[-1][3].values()), "the biases moved"

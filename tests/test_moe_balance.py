@@ -179,9 +179,10 @@ def test_the_sequence_loss_and_the_update_hold_where_sequences_are_split(worlds,
                                                                          options):
     """Context parallelism gives each rank a piece of every sequence: the per-sequence
     counts are summed over the pieces (and over the tensor group under sequence
-    parallelism, the same code; this tiny DeepSeek-V3's attention has no sequence-parallel
-    plan, so tensor parallelism refuses it), so the sequence-wise loss, the routing and
-    the biases equal one process's."""
+    parallelism, the same code: tests/test_moe_models.py runs paraxis_hf's debug
+    DeepSeek-V3 at tensor 2 + SP, expert 2 x tensor 2 + SP and x pipeline 2 with the
+    update on), so the sequence-wise loss, the routing and the biases equal one
+    process's."""
     steps = 6
     ref = worlds.run(1, train, {}, RATE, steps)[0]
     world = 1

@@ -33,6 +33,14 @@ DEBUG_CONFIGS: dict[str, dict[str, object]] = {
     "ernie4_5_moe": {**_DECODER, **_TOKENS, "moe_num_experts": 4, "moe_k": 2,
                      "moe_intermediate_size": 32, "moe_num_shared_experts": 1,
                      "moe_layer_start_index": 1},
+    # DeepSeek-V3: sigmoid scores with e_score_correction_bias, group-limited top-k (8
+    # experts in 4 groups, the best 2 groups, top-2 of their 4), a shared expert, a dense
+    # first layer (first_k_dense_replace), multi-head latent attention (q and kv LoRA).
+    "deepseek_v3": {**_DECODER, "num_key_value_heads": 4, "n_routed_experts": 8,
+                    "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2,
+                    "moe_intermediate_size": 32, "n_shared_experts": 1,
+                    "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": 16,
+                    "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8},
     # Fused qkv_proj and gate_up_proj (tensor plan: colwise_gather_output).
     "phi3": {**_DECODER, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
     # Families with a quirk a pipeline stage or a tensor shard must keep: q/k norms;

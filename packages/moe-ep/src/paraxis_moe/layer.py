@@ -197,8 +197,12 @@ class ExpertParallel:
         if isinstance(self.losses, SequenceLosses):
             self._hooks = [root.get_submodule(name).register_forward_pre_hook(
                 self.losses.note_block_input) for root, name, _, _ in parts if name in biases]
+        # Every stage gets a balancer when any stage holds a bias: its update gathers the
+        # metric over the stages, and a stage of dense layers (DeepSeek-V3's first
+        # layers) that skipped it would leave the others in a collective of their own.
         self.balancer = (BiasBalancer(biases, self.moe.bias_update_rate, pipeline=pipeline)
-                         if biases and self.moe.bias_update_rate > 0 else None)
+                         if self.moe.bias_update_rate > 0 and _agreed(bool(biases), pipeline)
+                         else None)
         self.recording = True
         self.experts: dict[str, ExpertParallelExperts] = {}
         for root, name, router, experts in parts:
