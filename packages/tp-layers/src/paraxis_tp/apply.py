@@ -192,9 +192,12 @@ def apply_tensor_plan(model: nn.Module, plan: ModelPlan, group: AxisGroup, *,
                                              vocab=vocab, group=group)
         elif style in ROW:
             _check_type(name, module, style, nn.Linear)
+            # A row-parallel head (Inkling's rowwise_split_input) gets the gathered
+            # sequence (shard_sequence) and all-reduces the logits, never scatters them.
+            head = module is output_embedding
             shard_row(module, group, memo, split_input=style == "rowwise_split_input",
-                      sequence_parallel=sp, on_enter=rng.exit,
-                      overlap=overlap and eligible(module))
+                      sequence_parallel=sp and not head, on_enter=rng.exit,
+                      overlap=overlap and not head and eligible(module))
         elif style == "embedding_rowwise":
             _check_type(name, module, style, nn.Embedding)
             shard_embedding(module, group, memo,
@@ -335,18 +338,30 @@ def shard_sequence(chunk: nn.Module, plan: ModelPlan, group: AxisGroup,
     name, layers = _layer_list(chunk, plan)
     for mixer in _mixers_not_entered(name, layers, out, plan.model_class):
         run_whole(mixer, group)
-    layers[first_layer].register_forward_pre_hook(
-        lambda m, args, kwargs: map_first_input(lambda x: split_tokens(x, group),
-                                                args, kwargs), with_kwargs=True)
+    # Once per forward of the chunk: a looped model may call its first layer again on
+    # the split stream (Dory's input and output sections, a recurrent block at layer 0).
+    split_done = [False]
+
+    def split_once(m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if split_done[0]:
+            return None
+        split_done[0] = True
+        return map_first_input(lambda x: split_tokens(x, group), args, kwargs)
+
+    chunk.register_forward_pre_hook(lambda m, args: split_done.__setitem__(0, False))
+    layers[first_layer].register_forward_pre_hook(split_once, with_kwargs=True)
     head = getattr(chunk, "get_output_embeddings", lambda: None)()
     head = head if isinstance(head, nn.Linear) else getattr(chunk, "lm_head", None)
-    if isinstance(head, nn.Linear) and "tensor" not in placement_of(head.weight).sharded_axes:
-        # A head the plan leaves whole gets the whole sequence (every rank computes the
-        # same logits, so the gathered input's gradient is this rank's slice).
+    if isinstance(head, nn.Linear) and ("tensor" not in placement_of(head.weight).sharded_axes
+                                        or getattr(head, "paraxis_tensor", None) == "row"):
+        # A head the plan leaves whole, or splits by rows, gets the whole sequence
+        # (every rank computes the same logits, so the gathered input's gradient is
+        # this rank's slice); a column-parallel one gathers it at its own entry. First
+        # (prepend): the tokens are gathered before a row split cuts the features.
         head.register_forward_pre_hook(
             lambda m, args, kwargs: map_first_input(
                 lambda x: gather_tokens(x, group, grad="slice"), args, kwargs),
-            with_kwargs=True)
+            with_kwargs=True, prepend=True)
     if not first_stage:
         # Every use of the gathered input is replicated over the tensor group (masks,
         # positions, then the split above), so its gradient is this rank's slice.
