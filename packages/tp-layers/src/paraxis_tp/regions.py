@@ -123,8 +123,9 @@ def enter_region(module: nn.Module, group: AxisGroup, *, sequence_parallel: bool
     def leave(t: torch.Tensor) -> torch.Tensor:
         if not sequence_parallel:
             return reduce_from(t, group)
-        whole = samples[0] and (samples[0][0], samples[0][1] * group.size)
-        if (b := _per_sample(t, whole or None)) is not None:
+        local = samples[0]
+        whole = None if local is None else (local[0], local[1] * group.size)
+        if (b := _per_sample(t, whole)) is not None:
             part = reduce_scatter(t.reshape(b, -1, *t.shape[1:]), group, dim=1)
             return part.reshape(-1, *t.shape[1:]).contiguous()
         return reduce_scatter(t, group, dim=_token_dim(t)).contiguous()
