@@ -75,3 +75,23 @@ def test_an_ill_conditioned_family_passes_from_the_reference_weights(worlds, fam
         cell = row.cells[column]
         assert cell.status == "explained", (column, cell.cell())
         assert "ill-conditioned: from the reference's weights each step agrees" in cell.detail
+
+
+# Families whose tensor=2 SP cell failed with a shape error the probe caught (one
+# column, through the matrix's runner: per-parameter gradients and the shard proof).
+SEQUENCE_PARALLEL = {
+    "dory": "a looped model calling its first layer twice per forward (the split is "
+            "made once per forward)",
+    "inkling_text": "a row-parallel head (rowwise_split_input: gathered sequence, logits "
+                    "all-reduced) and shared experts weighted by a (batch x sequence, 1) "
+                    "tensor beside the (batch, sequence, hidden) input, gathered per sample",
+}
+
+
+@pytest.mark.parametrize("family", sorted(SEQUENCE_PARALLEL))
+def test_a_family_passes_tensor_parallel_with_sequence_parallelism(worlds, family):
+    checks = [c for c in available_checks() if c.name == "tensor=2 SP"]
+    row = run_family(build_family(family, causal_lm_types()[family]), checks, worlds)
+    cell = row.cells["tensor=2 SP"]
+    assert cell.status == "pass", (SEQUENCE_PARALLEL[family], cell.cell())
+    assert "of the model, as the" in cell.detail, cell.cell()

@@ -48,6 +48,15 @@ def _sequence_parallel(model: nn.Module) -> str | None:
                 "between its layers (hyper-connections: a (batch, sequence, streams, "
                 "hidden) residual), and sequence parallelism cuts the second-to-last "
                 "dimension, which there holds the streams, not the sequence")
+    name = _first(model, lambda m: _hands_on(m, "block_states"))
+    if name is not None:
+        return (f"{name} takes block_states beside the hidden states: a (batch, sequence, "
+                "blocks, hidden) stack of earlier blocks' outputs (block attention "
+                "residuals) that the model starts for the whole sequence before its first "
+                "layer and extends between its layers, where sequence parallelism hands "
+                "each layer 1/t of the sequence; it would need the stack split with the "
+                "hidden states, inside the model's own loop. Set sequence_parallel: false "
+                "(tensor parallelism without it runs this model)")
     if _first(model, lambda m: hasattr(m, "H_module") and hasattr(m, "L_module")):
         return ("the model adds its high-level state to its low-level one between its "
                 "two layer stacks; a stack's output under sequence parallelism holds 1/t "

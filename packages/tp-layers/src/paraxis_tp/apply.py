@@ -196,9 +196,12 @@ def apply_tensor_plan(model: nn.Module, plan: ModelPlan, group: AxisGroup, *,
                                              vocab=vocab, group=group)
         elif style in ROW:
             _check_type(name, module, style, nn.Linear)
+            # A row-parallel head (Inkling's rowwise_split_input) gets the gathered
+            # sequence (shard_sequence) and all-reduces the logits, never scatters them.
+            head = module is output_embedding
             shard_row(module, group, memo, split_input=style == "rowwise_split_input",
-                      sequence_parallel=sp, on_enter=rng.exit,
-                      overlap=overlap and eligible(module))
+                      sequence_parallel=sp and not head, on_enter=rng.exit,
+                      overlap=overlap and not head and eligible(module))
         elif style == "embedding_rowwise":
             _check_type(name, module, style, nn.Embedding)
             shard_embedding(module, group, memo,

@@ -96,21 +96,47 @@ def _map_output(fn: Callable[[torch.Tensor], torch.Tensor], out: Any) -> Any:
     raise PlanError(f"a tensor-parallel region returned {type(out).__name__}, not a tensor")
 
 
+def _per_sample(t: torch.Tensor, samples: tuple[int, int] | None) -> int | None:
+    """The batch size, when ``t`` holds a region's tokens flattened over (batch,
+    sequence) beside a (batch, sequence, hidden) first input (``samples``: its batch and
+    sequence length on this rank, the whole one for an output)."""
+    if samples is None or t.ndim > 2 or t.shape[0] != samples[0] * samples[1]:
+        return None
+    return samples[0]
+
+
 def enter_region(module: nn.Module, group: AxisGroup, *, sequence_parallel: bool) -> None:
-    """Hooks making ``module`` a region (see the module docstring)."""
+    """Hooks making ``module`` a region (see the module docstring). Under sequence
+    parallelism a tensor flattened over (batch, sequence) beside a (batch, sequence,
+    hidden) input (Inkling's shared-expert weights) is gathered and scattered per sample,
+    so its rows stay in the order of the gathered sequence flattened (batch-major)."""
+    samples: list[tuple[int, int] | None] = [None]
 
     def enter(t: torch.Tensor) -> torch.Tensor:
-        if sequence_parallel:
-            return all_gather(t, group, dim=_token_dim(t), grad="sum").contiguous()
-        return copy_to(t, group) if t.is_floating_point() else t
+        if not sequence_parallel:
+            return copy_to(t, group) if t.is_floating_point() else t
+        if (b := _per_sample(t, samples[0])) is not None:
+            whole = all_gather(t.reshape(b, -1, *t.shape[1:]), group, dim=1, grad="sum")
+            return whole.reshape(-1, *t.shape[1:]).contiguous()
+        return all_gather(t, group, dim=_token_dim(t), grad="sum").contiguous()
 
     def leave(t: torch.Tensor) -> torch.Tensor:
-        if sequence_parallel:
-            return reduce_scatter(t, group, dim=_token_dim(t)).contiguous()
-        return reduce_from(t, group)
+        if not sequence_parallel:
+            return reduce_from(t, group)
+        local = samples[0]
+        whole = None if local is None else (local[0], local[1] * group.size)
+        if (b := _per_sample(t, whole)) is not None:
+            part = reduce_scatter(t.reshape(b, -1, *t.shape[1:]), group, dim=1)
+            return part.reshape(-1, *t.shape[1:]).contiguous()
+        return reduce_scatter(t, group, dim=_token_dim(t)).contiguous()
 
-    module.register_forward_pre_hook(lambda m, args, kwargs: _map_tensors(enter, args, kwargs),
-                                     with_kwargs=True)
+    def pre(m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        first = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
+        samples[0] = (first.shape[0], first.shape[1]) if first is not None and \
+            first.ndim == 3 and first.shape[0] > 1 else None
+        return _map_tensors(enter, args, kwargs)
+
+    module.register_forward_pre_hook(pre, with_kwargs=True)
     module.register_forward_hook(lambda m, args, out: _map_output(leave, out))
     module.paraxis_tensor = "region"
 

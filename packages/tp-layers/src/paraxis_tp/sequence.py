@@ -115,17 +115,29 @@ def shard_sequence(chunk: nn.Module, plan: ModelPlan, group: AxisGroup,
             # Its input is the whole sequence, the same on every rank: it enters as
             # Megatron's f, and its gathered output is the same whole on every rank.
             out.gathered_entries[column].enter = functools.partial(copy_to, group=group)
-    layers[first_layer].register_forward_pre_hook(
-        lambda m, args, kwargs: map_first_input(lambda x: split_tokens(x, group),
-                                                args, kwargs), with_kwargs=True)
+    # Once per forward of the chunk: a looped model may call its first layer again on
+    # the split stream (Dory's input and output sections, a recurrent block at layer 0).
+    split_done = [False]
+
+    def split_once(m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if split_done[0]:
+            return None
+        split_done[0] = True
+        return map_first_input(lambda x: split_tokens(x, group), args, kwargs)
+
+    chunk.register_forward_pre_hook(lambda m, args: split_done.__setitem__(0, False))
+    layers[first_layer].register_forward_pre_hook(split_once, with_kwargs=True)
     head = _head(chunk, plan)
-    if isinstance(head, nn.Linear) and "tensor" not in placement_of(head.weight).sharded_axes:
-        # A head the plan leaves whole gets the whole sequence (every rank computes the
-        # same logits, so the gathered input's gradient is this rank's slice).
+    if isinstance(head, nn.Linear) and ("tensor" not in placement_of(head.weight).sharded_axes
+                                        or getattr(head, "paraxis_tensor", None) == "row"):
+        # A head the plan leaves whole, or splits by rows, gets the whole sequence
+        # (every rank computes the same logits, so the gathered input's gradient is
+        # this rank's slice); a column-parallel one gathers it at its own entry. First
+        # (prepend): the tokens are gathered before a row split cuts the features.
         head.register_forward_pre_hook(
             lambda m, args, kwargs: map_first_input(
                 lambda x: gather_tokens(x, group, grad="slice"), args, kwargs),
-            with_kwargs=True)
+            with_kwargs=True, prepend=True)
     if not first_stage:
         # Every use of the gathered input is replicated over the tensor group (masks,
         # positions, then the split above), so its gradient is this rank's slice.
