@@ -104,8 +104,10 @@ class Probe:
                shape: ModelShape | None = None) -> Probe:
         """Run the whole model on the probe batch (call before any axis applies)."""
         par = config.parallelism
-        # One sequence per microbatch of every rank that holds distinct samples.
-        rows = config.sample_shards * config.schedule.microbatches
+        # Two sequences per microbatch of every rank that holds distinct samples: a
+        # defect that mixes up samples (an exchange that flattens batch x sequence in
+        # another order) is invisible with one.
+        rows = 2 * config.sample_shards * config.schedule.microbatches
         # Long enough to split wherever an axis cuts the sequence (context's 2C zigzag
         # chunks, sequence parallel's tensor x context), short enough to be cheap.
         unit = 2 * par.context * par.tensor
