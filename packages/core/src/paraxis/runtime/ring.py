@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paraxis.runtime.collectives import Pending, _record
+from paraxis.runtime.collectives import Pending, record
 from paraxis.runtime.group import AxisGroup
 from paraxis.runtime.liveness import guard
 
@@ -55,7 +55,7 @@ class RingHop:
                dist.P2POp(dist.isend, send, self.next, group=self.group.pg)]
         with guard(self.group, self.op):
             works = dist.batch_isend_irecv(ops)
-        _record(self.group, self.op, float(send.numel() * send.element_size()), 0.0)
+        record(self.group, self.op, float(send.numel() * send.element_size()), 0.0)
         return Pending(_Works(works), self.group, self.op, result=recv,
                        finish=lambda: send)  # keeps the sent block alive until then
 
