@@ -12,7 +12,9 @@ input features). Each rank then computes a partial sum of every expert output, a
   experts received are all-gathered over the tensor group, the split FFN runs on all of
   them, and the partial outputs are reduce-scattered back, so each rank gets its own
   rows' summed output (Megatron-Core's ETP path). Row counts differ per rank, so both
-  are uneven exchanges (:func:`gather_rows`, :func:`scatter_sum_rows`);
+  are uneven exchanges (:func:`gather_rows`, :func:`scatter_sum_rows`), made of
+  point-to-point sends and receives: gloo's all-gather and all-to-all take no uneven
+  sizes, and an all-to-all of the rows repeated ``t`` times would hold ``t`` copies;
 * without it (every tensor rank holds the same tokens) the input enters by Megatron's f
   (identity, backward all-reduce) and the output leaves by g (all-reduce, backward
   identity): gathering would count each token ``t`` times.
@@ -30,12 +32,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from paraxis.parallel.placement import placement_of, set_placement
-from paraxis.runtime.collectives import all_gather_into
-from paraxis.runtime.differentiable import all_to_all_uneven, copy_to, reduce_from
+from paraxis.runtime.collectives import Pending, all_gather_into, record
+from paraxis.runtime.differentiable import autocast_dtype, copy_to, reduce_from
 from paraxis.runtime.grid import AxisGroup
+from paraxis.runtime.liveness import guard
+from paraxis.runtime.ring import Works
 
 __all__ = ["ExpertTensor", "expert_width", "gather_rows", "refusals", "scatter_sum_rows",
            "shard_expert_ffn"]
@@ -94,24 +99,107 @@ def shard_expert_ffn(experts: Any, group: AxisGroup) -> None:
         experts.intermediate_dim = expert_width(experts)
 
 
+def _swap(group: AxisGroup, op: str, sends: list[torch.Tensor],
+          recvs: list[torch.Tensor]) -> None:
+    """Send ``sends[i]`` to member i and fill ``recvs[j]`` from member j, at once (this
+    rank's own and empty ones skipped: both ends know the counts); counts the bytes sent
+    under ``op``, and the seconds blocked."""
+    me, peer = group.rank, group.ranks
+    ops = [dist.P2POp(dist.irecv, t, peer[j], group=group.pg)
+           for j, t in enumerate(recvs) if j != me and t.numel()]
+    ops += [dist.P2POp(dist.isend, t, peer[i], group=group.pg)
+            for i, t in enumerate(sends) if i != me and t.numel()]
+    nbytes = sum(t.numel() * t.element_size() for i, t in enumerate(sends) if i != me)
+    record(group, op, float(nbytes), 0.0)
+    if ops:
+        with guard(group, op):
+            works = dist.batch_isend_irecv(ops)
+        Pending(Works(works), group, op).wait()
+
+
+def _gather(x: torch.Tensor, group: AxisGroup, counts: list[int]) -> torch.Tensor:
+    """Every member's rows in member order, in the one buffer that holds them: this
+    rank's rows copied in, the same ``x`` sent to every other member (no copy per
+    member; gloo's all-gather and all-to-all take no uneven sizes)."""
+    x = x.contiguous()
+    out = x.new_empty((sum(counts), *x.shape[1:]))
+    slots = list(out.split(counts))  # contiguous views: rows are dim 0
+    slots[group.rank].copy_(x)
+    _swap(group, "all_gather", [x] * group.size, slots)
+    return out
+
+
+def _scatter(x: torch.Tensor, group: AxisGroup, counts: list[int]) -> torch.Tensor:
+    """The ``(n, mine, ...)`` partials of this rank's rows, one from each member (rows
+    as :func:`_gather` left them): each member's slice of ``x`` goes to it."""
+    x, me = x.contiguous(), group.rank
+    parts = x.new_empty((group.size, counts[me], *x.shape[1:]))
+    slices = x.split(counts)
+    parts[me].copy_(slices[me])
+    _swap(group, "reduce_scatter", list(slices), list(parts.unbind(0)))
+    return parts
+
+
+def _wire(x: torch.Tensor, narrow: bool) -> torch.dtype | None:
+    """What fp32 rows travel in under autocast (None: as held)."""
+    return autocast_dtype(x.device.type) if narrow and x.dtype == torch.float32 else None
+
+
+def _gathered(x: torch.Tensor, group: AxisGroup, counts: list[int],
+              wire: torch.dtype | None) -> torch.Tensor:
+    return _gather(x, group, counts) if wire is None else \
+        _gather(x.to(wire), group, counts).to(x.dtype)
+
+
+def _summed(x: torch.Tensor, group: AxisGroup, counts: list[int],
+            wire: torch.dtype | None) -> torch.Tensor:
+    # Summed in the rows' own dtype, after the wire (as one process sums them).
+    return (_scatter(x, group, counts) if wire is None else
+            _scatter(x.to(wire), group, counts).to(x.dtype)).sum(0)
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: AxisGroup, counts: list[int],
+                wire: torch.dtype | None) -> torch.Tensor:
+        ctx.group, ctx.counts, ctx.wire = group, counts, wire
+        return _gathered(x, group, counts, wire)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return _summed(grad, ctx.group, ctx.counts, ctx.wire), None, None, None
+
+
+class _ScatterSumRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: AxisGroup, counts: list[int]
+                ) -> torch.Tensor:
+        ctx.group, ctx.counts = group, counts
+        return _summed(x, group, counts, None)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return _gathered(grad, ctx.group, ctx.counts, None), None, None
+
+
 def gather_rows(x: torch.Tensor, group: AxisGroup, counts: list[int], *,
                 narrow: bool = True) -> torch.Tensor:
     """Every rank's rows of ``x`` (``counts[r]`` rows on rank ``r``), concatenated in
     rank order; backward sums each rank's gradient rows and returns this rank's (an
     uneven all-gather whose backward is a reduce-scatter). ``narrow=False`` keeps fp32
-    rows fp32 on the wire under autocast (core's ``all_to_all_uneven``)."""
-    n = group.size
-    return all_to_all_uneven(x.repeat(n, *([1] * (x.dim() - 1))), group,
-                             [x.shape[0]] * n, counts, narrow=narrow)
+    rows fp32 on the wire under autocast. One buffer of the gathered rows is allocated,
+    never ``n`` copies of ``x``: each member is sent the same ``x``."""
+    if x.shape[0] != counts[group.rank]:
+        raise ValueError(f"rank {group.rank} holds {x.shape[0]} rows, counts say "
+                         f"{counts[group.rank]}")
+    return _GatherRows.apply(x, group, list(counts), _wire(x, narrow))
 
 
 def scatter_sum_rows(x: torch.Tensor, group: AxisGroup, counts: list[int]) -> torch.Tensor:
     """This rank's rows of the sum over ``group`` of ``x`` (rows ordered as
     :func:`gather_rows` left them); backward all-gathers (an uneven reduce-scatter).
-    Outputs travel as computed (``narrow=False``), as the combine sends them."""
-    n, mine = group.size, counts[group.rank]
-    parts = all_to_all_uneven(x, group, counts, [mine] * n, narrow=False)
-    return parts.view(n, mine, *x.shape[1:]).sum(0)
+    Outputs travel as computed, as the combine sends them."""
+    return _ScatterSumRows.apply(x, group, list(counts))
 
 
 class ExpertTensor:

@@ -31,18 +31,16 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from paraxis.runtime.collectives import Pending, exchange_rows
+from paraxis.runtime.collectives import exchange_rows
 from paraxis.runtime.differentiable import autocast_dtype
 from paraxis.runtime.grid import AxisGroup
-from paraxis.runtime.liveness import guard
 from paraxis_moe.dispatcher import AllToAllDispatcher, Dispatched
 
 __all__ = ["Flight", "chunk_bounds", "chunked_exchange", "counted", "merged"]
 
-# (exposed seconds, span seconds, bytes sent to other ranks) of one finished exchange.
-OnDone = Callable[[float, float, float], None]
+# (exposed seconds, span seconds) of one finished exchange.
+OnDone = Callable[[float, float], None]
 
 
 class Flight:
@@ -55,30 +53,21 @@ class Flight:
         self.on_done = on_done
 
     def launch(self, x: torch.Tensor) -> torch.Tensor:
-        """Start sending ``x``; returns the buffer being filled (read it after wait)."""
+        """Start sending ``x``; returns the buffer being filled (read it after wait).
+        Core's exchange counts the bytes (once, at launch) and the blocked seconds."""
         self.dtype = x.dtype
-        self.x = (x if self.wire is None else x.to(self.wire)).contiguous()  # kept alive
-        out = self.x.new_empty((sum(self.recv), *x.shape[1:]))
-        row = self.x[0].numel() * self.x.element_size() if x.shape[0] else 0
-        self.nbytes = float((sum(self.send) - self.send[self.group.rank]) * row)
+        sent = x if self.wire is None else x.to(self.wire)
         self.start = time.perf_counter()
-        with guard(self.group, "all_to_all"):
-            work = dist.all_to_all_single(out, self.x, output_split_sizes=list(self.recv),
-                                          input_split_sizes=list(self.send),
-                                          group=self.group.pg, async_op=True)
-        stats = getattr(self.group, "stats", None)
-        if stats is not None:  # bytes now; the blocked seconds when waited on
-            stats.add(self.group.axes, "all_to_all", self.nbytes, 0.0)
-        self.pending = Pending(work, self.group, "all_to_all", result=out)
-        return out
+        self.pending = exchange_rows(sent, self.group, self.send, self.recv, async_op=True)
+        return self.pending.result
 
     def wait(self) -> torch.Tensor:
         begin = time.perf_counter()
         out = self.pending.wait()
         end = time.perf_counter()
-        del self.x
+        del self.pending  # the sent rows are released with it
         if self.on_done is not None:
-            self.on_done(end - begin, end - self.start, self.nbytes)
+            self.on_done(end - begin, end - self.start)
         return out if self.wire is None else out.to(self.dtype)
 
 
@@ -204,7 +193,7 @@ def counted(stats: Any) -> OnDone | None:
     if stats is None:
         return None
 
-    def done(exposed: float, span: float, nbytes: float) -> None:
+    def done(exposed: float, span: float) -> None:
         stats.add("dispatch_s", exposed)
         stats.add("a2a_span_s", span)
     return done

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,7 @@ __all__ = [
     "exchange_rows",
     "gather_along",
     "own_part",
+    "record",
     "reduce_scatter_along",
     "reduce_scatter_into",
     "summed",
@@ -78,7 +79,8 @@ class _Clock:
 WIRE_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
 
 
-def _record(group: AxisGroup, op: str, nbytes: float, seconds: float) -> None:
+def record(group: AxisGroup, op: str, nbytes: float, seconds: float) -> None:
+    """Add ``nbytes`` and ``seconds`` of ``op`` to the stats of ``group``'s grid (if any)."""
     stats = getattr(group, "stats", None)
     if stats is not None:
         stats.add(group.axes, op, nbytes, seconds)
@@ -103,7 +105,7 @@ class Pending:
             clock = _Clock(self.group)
             with guard(self.group, self.op):
                 self.work.wait()
-            _record(self.group, self.op, 0.0, clock.stop(self.op))
+            record(self.group, self.op, 0.0, clock.stop(self.op))
             self.work = None
         if self.finish is not None:
             self.finish()
@@ -138,7 +140,7 @@ def all_reduce_(t: torch.Tensor, group: AxisGroup, *, op: Any = None,
     clock = _Clock(group)
     with guard(group, "all_reduce"):
         work = dist.all_reduce(t, group=group.pg, async_op=async_op, **kwargs)
-    _record(group, "all_reduce", _ring(t, group.size, 2.0),
+    record(group, "all_reduce", _ring(t, group.size, 2.0),
             0.0 if async_op else clock.stop("all_reduce"))
     return Pending(work, group, "all_reduce") if async_op else None
 
@@ -159,7 +161,7 @@ def reduce_scatter_into(out: torch.Tensor, flat: torch.Tensor, group: AxisGroup,
     clock = _Clock(group)
     with guard(group, "reduce_scatter"):
         work = _scatter_flat(out, flat, group=group.pg, async_op=async_op)
-    _record(group, "reduce_scatter", _ring(flat, group.size),
+    record(group, "reduce_scatter", _ring(flat, group.size),
             0.0 if async_op else clock.stop("reduce_scatter"))
     return Pending(work, group, "reduce_scatter") if async_op else None
 
@@ -173,7 +175,7 @@ def all_gather_into(out: torch.Tensor, part: torch.Tensor, group: AxisGroup, *,
     clock = _Clock(group)
     with guard(group, "all_gather"):
         work = _gather_flat(out, part, group=group.pg, async_op=async_op)
-    _record(group, "all_gather", _ring(out, group.size),
+    record(group, "all_gather", _ring(out, group.size),
             0.0 if async_op else clock.stop("all_gather"))
     return Pending(work, group, "all_gather") if async_op else None
 
@@ -224,7 +226,7 @@ def barrier(group: AxisGroup) -> None:
         clock = _Clock(group)
         with guard(group, "barrier"):
             dist.barrier(group=group.pg)
-        _record(group, "barrier", 0.0, clock.stop("barrier"))
+        record(group, "barrier", 0.0, clock.stop("barrier"))
 
 
 def all_gather_object(obj: Any, group: AxisGroup) -> list[Any]:
@@ -238,20 +240,29 @@ def all_gather_object(obj: Any, group: AxisGroup) -> list[Any]:
     return out
 
 
+@overload
+def exchange_rows(x: torch.Tensor, group: AxisGroup, send: Sequence[int], recv: Sequence[int],
+                  *, async_op: Literal[False] = ...) -> torch.Tensor: ...
+@overload
+def exchange_rows(x: torch.Tensor, group: AxisGroup, send: Sequence[int], recv: Sequence[int],
+                  *, async_op: Literal[True]) -> Pending: ...
 def exchange_rows(x: torch.Tensor, group: AxisGroup, send: Sequence[int],
-                  recv: Sequence[int]) -> torch.Tensor:
-    """Rows of ``x`` (dim 0) go to ranks by ``send`` counts; ``recv`` rows come back."""
+                  recv: Sequence[int], *, async_op: bool = False) -> torch.Tensor | Pending:
+    """Rows of ``x`` (dim 0) go to ranks by ``send`` counts; ``recv`` rows come back:
+    a new tensor, or with ``async_op`` a :class:`Pending` whose ``wait()`` returns it
+    (``result`` is the buffer being filled; the sent rows are held until then)."""
     x = x.contiguous()
     out = x.new_empty((sum(recv), *x.shape[1:]))
     row = x[0].numel() * x.element_size() if x.shape[0] else 0
-    mine = send[group.rank]
     clock = _Clock(group)
     with guard(group, "all_to_all"):
-        dist.all_to_all_single(out, x, output_split_sizes=list(recv),
-                               input_split_sizes=list(send), group=group.pg)
-    _record(group, "all_to_all", float((sum(send) - mine) * row),
-            clock.stop("all_to_all"))
-    return out
+        work = dist.all_to_all_single(out, x, output_split_sizes=list(recv),
+                                      input_split_sizes=list(send), group=group.pg,
+                                      async_op=async_op)
+    record(group, "all_to_all", float((sum(send) - send[group.rank]) * row),
+           0.0 if async_op else clock.stop("all_to_all"))
+    return Pending(work, group, "all_to_all", result=out, finish=lambda: x) \
+        if async_op else out
 
 
 def all_to_all_dims(x: torch.Tensor, group: AxisGroup, scatter_dim: int,
@@ -274,7 +285,7 @@ def all_to_all_dims(x: torch.Tensor, group: AxisGroup, scatter_dim: int,
     clock = _Clock(group)
     with guard(group, "all_to_all"):
         dist.all_to_all_single(out, flat, group=group.pg)
-    _record(group, "all_to_all", _ring(flat, n), clock.stop("all_to_all"))
+    record(group, "all_to_all", _ring(flat, n), clock.stop("all_to_all"))
     # out[j] is rank j's chunk for us, stacked along the gather dim in rank order: the
     # rank index put just before that dim and merged with it, a view when the dims
     # before it have size 1 (one sequence per rank); else one concatenation (faster

@@ -19,15 +19,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paraxis.runtime.collectives import Pending, _record
+from paraxis.runtime.collectives import Pending, record
 from paraxis.runtime.group import AxisGroup
 from paraxis.runtime.liveness import guard
 
-__all__ = ["RingHop", "ring_gather", "ring_reduce_scatter"]
+__all__ = ["RingHop", "Works", "ring_gather", "ring_reduce_scatter"]
 
 
-class _Works:
-    """The works of one batched send and receive, waited for together."""
+class Works:
+    """The works of one batch of sends and receives (``dist.batch_isend_irecv``), waited
+    for together: what a :class:`~.collectives.Pending` waits on."""
 
     def __init__(self, works: list[Any]):
         self.works = works
@@ -55,8 +56,8 @@ class RingHop:
                dist.P2POp(dist.isend, send, self.next, group=self.group.pg)]
         with guard(self.group, self.op):
             works = dist.batch_isend_irecv(ops)
-        _record(self.group, self.op, float(send.numel() * send.element_size()), 0.0)
-        return Pending(_Works(works), self.group, self.op, result=recv,
+        record(self.group, self.op, float(send.numel() * send.element_size()), 0.0)
+        return Pending(Works(works), self.group, self.op, result=recv,
                        finish=lambda: send)  # keeps the sent block alive until then
 
 
