@@ -25,6 +25,9 @@ SAMPLE = {
     "kimi_linear": "linear attention (KDA) and short convolutions the tensor plan leaves "
                    "whole, run on the whole sequence on every tensor rank under SP; "
                    "experts kept whole",
+    "nemotron_h": "hybrid Mamba / attention / MoE layers whose block is always named "
+                  "'mixer': under SP the MoE one routes its rank's tokens (not run whole), "
+                  "its experts split over tensor (expert_tensor)",
     "qwen3_5_moe_text": "gated delta-net linear attention whose projections the tensor "
                         "plan shards (colwise_gather_output) without entering it: run "
                         "whole under SP, those projections entering as Megatron's f",
@@ -32,7 +35,8 @@ SAMPLE = {
 # The columns this package answers for (expert and context belong to their axes).
 COLUMNS = (OWN_LOSS, "data=2", "tensor=2", "tensor=2 SP", "pipeline=2")
 # Cells refused at parallelize time, by design, with words the reason must hold.
-REFUSED: dict[tuple[str, str], str] = {}
+REFUSED: dict[tuple[str, str], str] = {
+    ("nemotron_h", "pipeline=2"): "NemotronHForCausalLM has no pipeline-parallel plan"}
 
 
 @pytest.mark.parametrize("family", sorted(SAMPLE))

@@ -72,23 +72,26 @@ def _under(prefix: str, names: Iterable[str]) -> list[str]:
 
 
 def _mixers_not_entered(name: str, layers: nn.ModuleList, applied: TensorParallelApplied,
-                        model_class: str) -> list[tuple[nn.Module, list[str]]]:
+                        plan: ModelPlan, chunk: nn.Module) -> list[tuple[nn.Module, list[str]]]:
     """The layers' sequence mixers the tensor plan enters none of, each with its sharded
     column layers that gather their output. Any other part the plan shards inside such a
     mixer is refused: run whole, it would see the whole sequence where the plan expects
-    its rank's share."""
+    its rank's share. A mixture-of-experts block works token by token whatever its name
+    (Nemotron-H calls every layer's block ``mixer``): it routes this rank's tokens."""
+    moe = {id(m) for m in map(functools.partial(_maybe, chunk), plan.experts) if m is not None}
     out = []
     for i, layer in enumerate(layers):
         if isinstance(layer, SkipLayer):
             continue
         for child, module in layer.named_children():
             full = f"{name}.{i}.{child}"
-            if not SEQUENCE_MIXERS.search(child) or _under(full, applied.entered):
+            if not SEQUENCE_MIXERS.search(child) or _under(full, applied.entered) \
+                    or id(module) in moe:
                 continue
             sharded = _under(full, applied.replaced)
             if other := [n for n in sharded if n not in applied.gathered_entries]:
                 raise PlanError(
-                    f"{model_class}: {full} mixes the sequence and the tensor plan shards "
+                    f"{plan.model_class}: {full} mixes the sequence and the tensor plan shards "
                     f"{other[0]} ({applied.replaced[other[0]]}) without entering the "
                     "block at its input, so under sequence parallelism it would see 1/t of "
                     "the sequence, and run whole its sharded part would see the whole one; "
@@ -109,7 +112,7 @@ def shard_sequence(chunk: nn.Module, plan: ModelPlan, group: AxisGroup,
     A layer child that mixes the sequence (:data:`SEQUENCE_MIXERS`) without being
     entered runs whole on every tensor rank (:func:`~paraxis_tp.regions.run_whole`)."""
     name, layers = _layer_list(chunk, plan)
-    for mixer, gathered in _mixers_not_entered(name, layers, out, plan.model_class):
+    for mixer, gathered in _mixers_not_entered(name, layers, out, plan, chunk):
         run_whole(mixer, group)
         for column in gathered:
             # Its input is the whole sequence, the same on every rank: it enters as
