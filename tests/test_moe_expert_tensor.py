@@ -107,8 +107,10 @@ def test_unsupported_expert_tensor_layouts_are_refused():
     assert not problems(tensor=4, expert_tensor=4)
     assert "must divide the tensor degree 4" in problems(tensor=4, expert_tensor=3)[0].rule
     assert "sub-group" in problems(tensor=4, expert_tensor=2)[0].rule
-    assert "zero=1" in problems(tensor=2, expert_tensor=2, data=2, zero=1)[0].rule
-    assert "pipeline=2" in problems(tensor=2, expert_tensor=2, pipeline=2)[0].rule
+    # Run at parity beside them (test_split_experts_beside_other_axes_match_one_process).
+    assert not problems(tensor=2, expert_tensor=2, data=2, zero=1)
+    assert not problems(tensor=2, expert_tensor=2, pipeline=2)
+    assert not problems(tensor=2, expert_tensor=2, context=2)
 
 
 def test_experts_the_split_cannot_hold_are_refused_before_any_group():
@@ -176,3 +178,25 @@ def test_split_experts_in_bf16_match_one_process_bf16(worlds, layout):
     degrees, sp = LAYOUTS[layout]
     compare(worlds, "mixtral", degrees, steps=6, recipe={"precision": "bf16"},
             rtol=BF16_RTOL, expert_tensor=2, sequence_parallel=sp)
+
+
+# Split experts beside the other axes (each was refused until a run here matched one
+# process): pipeline stages (each stage's experts split over its own tensor group, the
+# 8-rank layout with expert 2 too), context ranks (each routes its own chunks of the
+# sequence, the split FFN sees the tensor group's rows), ZeRO's partition of the split
+# expert tensors over data (stage 1: optimizer states; stage 3: the weights themselves).
+WITH_OTHER_AXES = {
+    "tensor2_sp_pipeline2": ({"tensor": 2, "pipeline": 2}, {"microbatches": 2}),
+    "expert2_tensor2_sp_pipeline2": ({"expert": 2, "tensor": 2, "pipeline": 2},
+                                     {"microbatches": 2}),
+    "context2_tensor2_sp": ({"context": 2, "tensor": 2}, {}),
+    "data2_tensor2_sp_zero1": ({"data": 2, "tensor": 2}, {"zero": 1}),
+    "data2_tensor2_sp_zero3": ({"data": 2, "tensor": 2}, {"zero": 3}),
+}
+
+
+@pytest.mark.parametrize("layout", list(WITH_OTHER_AXES))
+def test_split_experts_beside_other_axes_match_one_process(worlds, layout):
+    degrees, options = WITH_OTHER_AXES[layout]
+    compare(worlds, "mixtral", degrees, steps=4, expert_tensor=2, sequence_parallel=True,
+            **options)

@@ -131,21 +131,12 @@ def group_limit_problems(model_config: Any) -> list[Problem]:
 
 def _expert_tensor_problems(par: Any, model: Any) -> list[Problem]:
     """``expert_tensor`` > 1 (each expert's FFN split over the tensor group) on a dense
-    model, or with an axis no parity test has run it with yet (pipeline stages, context
-    ranks, ZeRO's partition of the split tensors): refused rather than trained untested.
-    Whether it divides the tensor degree is core's rule; whether it divides the experts'
-    FFN width is checked on the module (``ExpertParallelStrategy.check_model``)."""
+    model. Whether it divides the tensor degree is core's rule; whether it divides the
+    experts' FFN width is checked on the module (``ExpertParallelStrategy.check_model``).
+    Pipeline stages, context ranks and ZeRO (stages 1 and 3) run it at parity
+    (tests/test_moe_expert_tensor.py)."""
     etp = par.expert_tensor
-    if etp == 1:
+    if etp == 1 or model is None or int(getattr(model, "num_experts", 0) or 0):
         return []
-    if model is not None and not int(getattr(model, "num_experts", 0) or 0):
-        return [Problem("parallelism.expert_tensor", etp, "the model has no experts",
-                        "set expert_tensor: 1, or use a mixture-of-experts model")]
-    untested = [f"{axis}={getattr(par, axis)}" for axis in ("pipeline", "context")
-                if getattr(par, axis) > 1] + ([f"zero={par.zero}"] if par.zero else [])
-    if untested:
-        return [Problem("parallelism.expert_tensor", etp,
-                        f"is not supported with {', '.join(untested)} (no parity test "
-                        "covers split experts there yet)",
-                        "set expert_tensor: 1 (experts whole on every tensor rank)")]
-    return []
+    return [Problem("parallelism.expert_tensor", etp, "the model has no experts",
+                    "set expert_tensor: 1, or use a mixture-of-experts model")]

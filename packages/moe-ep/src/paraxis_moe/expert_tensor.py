@@ -66,10 +66,30 @@ def refusals(experts: Any, degree: int) -> list[str]:
         found.append("it normalizes each expert's output, which needs the summed output")
     gate = getattr(type(experts), "_apply_gate", None)
     if getattr(experts, "has_gate", False) and gate is not None and \
-            getattr(gate, "__name__", "") != "_default_apply_gate":
-        found.append(f"its gate function {gate.__qualname__} is the family's own (the "
-                     "gate/up halves may not be contiguous)")
+            getattr(gate, "__name__", "") != "_default_apply_gate" and \
+            not _gate_splits(experts, degree):
+        found.append(f"its gate function {gate.__qualname__} does not give each rank's "
+                     "slice of its output from that rank's slice of the gate and up "
+                     "halves (interleaved halves, or features mixed)")
     return found
+
+
+def _gate_splits(experts: Any, degree: int) -> bool:
+    """Whether a family's own gate function commutes with the packed column split, tried
+    on a random input: each rank's slice of the gate half and of the up half must give
+    that rank's slice of the whole output (a clamp or an activation applied element by
+    element to contiguous halves does; GPT-OSS's interleaved halves do not)."""
+    width = 4 * degree
+    x = torch.randn(3, 2 * width, generator=torch.Generator().manual_seed(0))
+    try:
+        with torch.no_grad():
+            whole = experts._apply_gate(x)
+            gate, up = x.chunk(2, dim=-1)
+            parts = [experts._apply_gate(torch.cat([g, u], dim=-1)) for g, u in
+                     zip(gate.chunk(degree, dim=-1), up.chunk(degree, dim=-1), strict=True)]
+    except Exception:
+        return False
+    return whole.shape == (3, width) and torch.allclose(torch.cat(parts, dim=-1), whole)
 
 
 def _split(param: nn.Parameter, dim: int, group: AxisGroup, parts: int) -> nn.Parameter:
