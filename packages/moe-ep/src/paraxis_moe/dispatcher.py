@@ -95,9 +95,8 @@ class AllToAllDispatcher:
         seconds = time.perf_counter() - start
         if timer is not None:
             tokens = timer.point(tokens, "compute")
-        local_ids = torch.arange(local, device=hidden.device).repeat(n)
-        local_ids = local_ids.repeat_interleave(recv_counts.reshape(-1))
-        return Dispatched(tokens, local_ids, pairs, send, recv, sent_per_expert, recv_counts,
+        return Dispatched(tokens, local_ids(recv_counts), pairs, send, recv,
+                          sent_per_expert, recv_counts,
                           hidden.shape[-1] * hidden.element_size(), self.group.rank, seconds)
 
     def permute(self, top_k_index: torch.Tensor, keep: torch.Tensor | None,
@@ -127,16 +126,29 @@ class AllToAllDispatcher:
         seconds = time.perf_counter() - start
         if timer is not None:
             back = timer.point(back, None)
-        num_tokens, k = top_k_weights.shape
-        slots = back.new_zeros((num_tokens * k, back.shape[-1]))
-        slots = slots.index_copy(0, d.pairs, back)
-        weights = top_k_weights if keep is None else top_k_weights.masked_fill(~keep, 0.0)
-        # As transformers' grouped_mm experts: weight in the promoted dtype, sum the
-        # slots, then cast (the sum of two slots is the same in either order).
-        out = (slots.view(num_tokens, k, -1) * weights.unsqueeze(-1)).sum(1)
-        return out, seconds
+        return unpermute(back, d.pairs, top_k_weights, keep), seconds
 
     def local_range(self) -> tuple[int, int]:
         """[first, last) global ids of this rank's experts."""
         first = self.group.rank * self.num_local
         return first, first + self.num_local
+
+
+def local_ids(recv_counts: torch.Tensor) -> torch.Tensor:
+    """The local expert id of each received row, from the ``(ranks, local)`` counts of
+    rows received (rows arrive by sender, then by expert)."""
+    ranks, local = recv_counts.shape
+    ids = torch.arange(local, device=recv_counts.device).repeat(ranks)
+    return ids.repeat_interleave(recv_counts.reshape(-1))
+
+
+def unpermute(back: torch.Tensor, pairs: torch.Tensor, top_k_weights: torch.Tensor,
+              keep: torch.Tensor | None) -> torch.Tensor:
+    """Each token's weighted sum over its slots, from the expert outputs ``back`` of the
+    kept pairs ``pairs`` (flat token * k + slot indices into ``top_k_weights`` (T, k))."""
+    num_tokens, k = top_k_weights.shape
+    slots = back.new_zeros((num_tokens * k, back.shape[-1])).index_copy(0, pairs, back)
+    weights = top_k_weights if keep is None else top_k_weights.masked_fill(~keep, 0.0)
+    # As transformers' grouped_mm experts: weight in the promoted dtype, sum the slots,
+    # then cast (the sum of two slots is the same in either order).
+    return (slots.view(num_tokens, k, back.shape[-1]) * weights.unsqueeze(-1)).sum(1)

@@ -37,10 +37,11 @@ from torch import nn
 
 from paraxis.parallel.placement import placement_of, set_placement
 from paraxis.runtime.collectives import Pending, all_gather_into, record
-from paraxis.runtime.differentiable import autocast_dtype, copy_to, reduce_from
+from paraxis.runtime.differentiable import copy_to, on_wire, reduce_from, wire_dtype
 from paraxis.runtime.grid import AxisGroup
 from paraxis.runtime.liveness import guard
 from paraxis.runtime.ring import Works
+from paraxis_moe.dispatcher import local_ids as received_ids
 
 __all__ = ["ExpertTensor", "expert_width", "gather_rows", "refusals", "scatter_sum_rows",
            "shard_expert_ffn"]
@@ -160,22 +161,15 @@ def _scatter(x: torch.Tensor, group: AxisGroup, counts: list[int]) -> torch.Tens
     return parts
 
 
-def _wire(x: torch.Tensor, narrow: bool) -> torch.dtype | None:
-    """What fp32 rows travel in under autocast (None: as held)."""
-    return autocast_dtype(x.device.type) if narrow and x.dtype == torch.float32 else None
-
-
 def _gathered(x: torch.Tensor, group: AxisGroup, counts: list[int],
               wire: torch.dtype | None) -> torch.Tensor:
-    return _gather(x, group, counts) if wire is None else \
-        _gather(x.to(wire), group, counts).to(x.dtype)
+    return on_wire(wire, _gather, x, group, counts)
 
 
 def _summed(x: torch.Tensor, group: AxisGroup, counts: list[int],
             wire: torch.dtype | None) -> torch.Tensor:
     # Summed in the rows' own dtype, after the wire (as one process sums them).
-    return (_scatter(x, group, counts) if wire is None else
-            _scatter(x.to(wire), group, counts).to(x.dtype)).sum(0)
+    return on_wire(wire, _scatter, x, group, counts).sum(0)
 
 
 class _GatherRows(torch.autograd.Function):
@@ -212,7 +206,7 @@ def gather_rows(x: torch.Tensor, group: AxisGroup, counts: list[int], *,
     if x.shape[0] != counts[group.rank]:
         raise ValueError(f"rank {group.rank} holds {x.shape[0]} rows, counts say "
                          f"{counts[group.rank]}")
-    return _GatherRows.apply(x, group, list(counts), _wire(x, narrow))
+    return _GatherRows.apply(x, group, list(counts), wire_dtype(x) if narrow else None)
 
 
 def scatter_sum_rows(x: torch.Tensor, group: AxisGroup, counts: list[int]) -> torch.Tensor:
@@ -241,9 +235,7 @@ class ExpertTensor:
         all_gather_into(counts_all, recv_counts.reshape(-1).contiguous(), group)
         per_rank = counts_all.view(group.size, *recv_counts.shape)
         counts = per_rank.sum((1, 2)).tolist()
-        ep, local = recv_counts.shape
-        ids = torch.arange(local, device=local_ids.device).repeat(group.size * ep)
-        ids = ids.repeat_interleave(per_rank.reshape(-1).to(local_ids.device))
+        ids = received_ids(per_rank.view(-1, recv_counts.shape[1]).to(local_ids.device))
         out = compute(gather_rows(tokens, group, counts), ids)
         return scatter_sum_rows(out, group, counts)
 

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from paraxis.runtime.collectives import exchange_rows
-from paraxis.runtime.differentiable import autocast_dtype
+from paraxis.runtime.differentiable import wire_dtype
 from paraxis.runtime.grid import AxisGroup
-from paraxis_moe.dispatcher import AllToAllDispatcher, Dispatched
+from paraxis_moe.dispatcher import AllToAllDispatcher, Dispatched, local_ids, unpermute
 
 __all__ = ["Flight", "chunk_bounds", "chunked_exchange", "counted", "merged"]
 
@@ -141,16 +141,14 @@ def chunked_exchange(dispatcher: AllToAllDispatcher, hidden: torch.Tensor,
                         [chunks] * n, [chunks] * n).view(n, chunks, local)
     count_s = time.perf_counter() - start
     row_bytes = hidden.shape[-1] * hidden.element_size()
-    ids = torch.arange(local, device=hidden.device).repeat(n)
-    wire = autocast_dtype(hidden.device.type) if hidden.dtype == torch.float32 else None
+    wire = wire_dtype(hidden)
     records, tickets = [], []
     for i, (pairs, per_expert) in enumerate(planned):
         recv_counts = got[:, i]
         send = tuple(per_expert.view(n, local).sum(1).tolist())
         recv = tuple(recv_counts.sum(1).tolist())
-        records.append(Dispatched(hidden[pairs // k], ids.repeat_interleave(
-            recv_counts.reshape(-1)), pairs, send, recv, per_expert, recv_counts,
-            row_bytes, group.rank))
+        records.append(Dispatched(hidden[pairs // k], local_ids(recv_counts), pairs, send,
+                                  recv, per_expert, recv_counts, row_bytes, group.rank))
         tickets.append(_Ticket(group, send, recv, wire, on_done))
     buffers = [launch(records[0].tokens, tickets[0])]
     backs = []
@@ -163,15 +161,9 @@ def chunked_exchange(dispatcher: AllToAllDispatcher, hidden: torch.Tensor,
         # autocast), as the unchunked combine sends them.
         ticket = _Ticket(group, d.recv, d.send, None, on_done)
         backs.append((launch(out, ticket), ticket))
-    outs = []
-    for b, d, (buffer, ticket) in zip(bounds, records, backs, strict=True):
-        back = wait(buffer, ticket)
-        size = b.stop - b.start
-        slots = back.new_zeros((size * k, back.shape[-1])).index_copy(
-            0, d.pairs - b.start * k, back)
-        weights = top_k_weights[b] if keep is None else \
-            top_k_weights[b].masked_fill(~keep[b], 0.0)
-        outs.append((slots.view(size, k, back.shape[-1]) * weights.unsqueeze(-1)).sum(1))
+    outs = [unpermute(wait(buffer, ticket), d.pairs - b.start * k, top_k_weights[b],
+                      None if keep is None else keep[b])
+            for b, d, (buffer, ticket) in zip(bounds, records, backs, strict=True)]
     return torch.cat(outs), records, count_s
 
 

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paraxis.runtime.differentiable import autocast_dtype
+from paraxis.runtime.differentiable import autocast_dtype, wire_dtype
 from paraxis.runtime.group import AxisGroup
 from paraxis.runtime.ring import ring_gather, ring_reduce_scatter
 
@@ -59,11 +59,6 @@ def _under(state: tuple[str, torch.dtype | None]) -> Any:
     return torch.autocast(kind, dtype=dtype, enabled=dtype is not None)
 
 
-def _wire(x: torch.Tensor) -> torch.dtype | None:
-    """As differentiable._wire_of: an fp32 activation travels in autocast's dtype."""
-    return autocast_dtype(x.device.type) if x.dtype == torch.float32 else None
-
-
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
@@ -74,7 +69,7 @@ class _GatherLinears(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: AxisGroup, *params: Any) -> Any:
         weights, biases = params[0::2], params[1::2]
-        ctx.group, ctx.wire, ctx.autocast = group, _wire(x), _autocast(x.device)
+        ctx.group, ctx.wire, ctx.autocast = group, wire_dtype(x), _autocast(x.device)
         ctx.set_materialize_grads(False)  # None for an output nothing used
         outs: list[list[torch.Tensor]] = [[] for _ in weights]
         order: list[int] = []
@@ -138,7 +133,7 @@ class _LinearScatter(torch.autograd.Function):
         blocks = x.chunk(n, dim=SEQ_DIM)
         out = ring_reduce_scatter(lambda b: F.linear(blocks[b], weight), group)
         ctx.save_for_backward(x, weight)
-        ctx.wire = _wire(out)
+        ctx.wire = wire_dtype(out)
         return out
 
     @staticmethod

@@ -49,9 +49,11 @@ __all__ = [
     "all_to_all_uneven",
     "autocast_dtype",
     "copy_to",
+    "on_wire",
     "reduce_from",
     "reduce_scatter",
     "split",
+    "wire_dtype",
 ]
 
 
@@ -62,13 +64,13 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
         if torch.is_autocast_enabled(device_type) else None
 
 
-def _wire_of(x: torch.Tensor) -> torch.dtype | None:
+def wire_dtype(x: torch.Tensor) -> torch.dtype | None:
     """The narrower dtype an fp32 activation travels in under autocast, or None: keep it
     as it is (fp32 training, integer counts, tensors already narrow)."""
     return autocast_dtype(x.device.type) if x.dtype == torch.float32 else None
 
 
-def _on(wire: torch.dtype | None, fn: Any, x: torch.Tensor, *args: Any) -> torch.Tensor:
+def on_wire(wire: torch.dtype | None, fn: Any, x: torch.Tensor, *args: Any) -> torch.Tensor:
     """``fn(x, *args)`` with ``x`` sent in ``wire`` and the result cast back."""
     return fn(x, *args) if wire is None else fn(x.to(wire), *args).to(x.dtype)
 
@@ -76,18 +78,18 @@ def _on(wire: torch.dtype | None, fn: Any, x: torch.Tensor, *args: Any) -> torch
 class _CopyTo(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-        ctx.group, ctx.wire = group, _wire_of(x)
+        ctx.group, ctx.wire = group, wire_dtype(x)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return _on(ctx.wire, summed, grad, ctx.group), None
+        return on_wire(ctx.wire, summed, grad, ctx.group), None
 
 
 class _ReduceFrom(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-        return _on(_wire_of(x), summed, x, group)
+        return on_wire(wire_dtype(x), summed, x, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -97,25 +99,25 @@ class _ReduceFrom(torch.autograd.Function):
 class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-        ctx.group, ctx.wire = group, _wire_of(x)
-        return _on(ctx.wire, summed, x, group)
+        ctx.group, ctx.wire = group, wire_dtype(x)
+        return on_wire(ctx.wire, summed, x, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return _on(ctx.wire, summed, grad, ctx.group), None
+        return on_wire(ctx.wire, summed, grad, ctx.group), None
 
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: AxisGroup,
                 grad_sum: bool) -> torch.Tensor:
-        ctx.dim, ctx.group, ctx.grad_sum, ctx.wire = dim, group, grad_sum, _wire_of(x)
-        return _on(ctx.wire, gather_along, x, dim, group)
+        ctx.dim, ctx.group, ctx.grad_sum, ctx.wire = dim, group, grad_sum, wire_dtype(x)
+        return on_wire(ctx.wire, gather_along, x, dim, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         if ctx.grad_sum:
-            return (_on(ctx.wire, reduce_scatter_along, grad, ctx.dim, ctx.group), None,
+            return (on_wire(ctx.wire, reduce_scatter_along, grad, ctx.dim, ctx.group), None,
                     None, None)
         return own_part(grad, ctx.dim, ctx.group), None, None, None
 
@@ -123,8 +125,8 @@ class _AllGather(torch.autograd.Function):
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: AxisGroup) -> torch.Tensor:
-        ctx.dim, ctx.group, ctx.wire = dim, group, _wire_of(x)
-        out = _on(ctx.wire, reduce_scatter_along, x, dim, group)
+        ctx.dim, ctx.group, ctx.wire = dim, group, wire_dtype(x)
+        out = on_wire(ctx.wire, reduce_scatter_along, x, dim, group)
         # A view of the buffer it was received in; a model that adds to it in place
         # (Llama 4's MoE output) would modify a custom Function's view, which autograd
         # forbids: hand out a tensor of its own.
@@ -132,18 +134,18 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return _on(ctx.wire, gather_along, grad, ctx.dim, ctx.group), None, None
+        return on_wire(ctx.wire, gather_along, grad, ctx.dim, ctx.group), None, None
 
 
 class _Split(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: AxisGroup) -> torch.Tensor:
-        ctx.dim, ctx.group, ctx.wire = dim, group, _wire_of(x)
+        ctx.dim, ctx.group, ctx.wire = dim, group, wire_dtype(x)
         return own_part(x, dim, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return _on(ctx.wire, gather_along, grad, ctx.dim, ctx.group), None, None
+        return on_wire(ctx.wire, gather_along, grad, ctx.dim, ctx.group), None, None
 
 
 class _AllToAllUneven(torch.autograd.Function):
@@ -151,12 +153,12 @@ class _AllToAllUneven(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, group: AxisGroup, send: tuple[int, ...],
                 recv: tuple[int, ...], narrow: bool) -> torch.Tensor:
         ctx.group, ctx.send, ctx.recv = group, send, recv
-        ctx.wire = _wire_of(x) if narrow else None
-        return _on(ctx.wire, exchange_rows, x, group, send, recv)
+        ctx.wire = wire_dtype(x) if narrow else None
+        return on_wire(ctx.wire, exchange_rows, x, group, send, recv)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return (_on(ctx.wire, exchange_rows, grad, ctx.group, ctx.recv, ctx.send), None,
+        return (on_wire(ctx.wire, exchange_rows, grad, ctx.group, ctx.recv, ctx.send), None,
                 None, None, None)
 
 
@@ -164,13 +166,13 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: AxisGroup, scatter_dim: int,
                 gather_dim: int) -> torch.Tensor:
-        ctx.group, ctx.dims, ctx.wire = group, (scatter_dim, gather_dim), _wire_of(x)
-        return _on(ctx.wire, all_to_all_dims, x, group, scatter_dim, gather_dim)
+        ctx.group, ctx.dims, ctx.wire = group, (scatter_dim, gather_dim), wire_dtype(x)
+        return on_wire(ctx.wire, all_to_all_dims, x, group, scatter_dim, gather_dim)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         scatter_dim, gather_dim = ctx.dims
-        return (_on(ctx.wire, all_to_all_dims, grad, ctx.group, gather_dim, scatter_dim),
+        return (on_wire(ctx.wire, all_to_all_dims, grad, ctx.group, gather_dim, scatter_dim),
                 None, None, None)
 
 
