@@ -73,7 +73,8 @@ from paraxis_tp.regions import (
 )
 from paraxis_tp.rng import TensorParallelRNG
 
-__all__ = ["SUPPORTED_STYLES", "TensorParallelApplied", "apply_tensor_plan"]
+__all__ = ["SUPPORTED_STYLES", "TensorParallelApplied", "apply_tensor_plan", "maybe_submodule",
+           "output_head"]
 
 COLUMN = {"colwise", "packed_colwise", "colwise_gather_output"}
 ROW = {"rowwise", "rowwise_split_input"}
@@ -97,6 +98,23 @@ class TensorParallelApplied:
         # their output: name -> their entry, which a mixer run whole rebinds
         # (:func:`paraxis_tp.sequence.shard_sequence`).
         self.gathered_entries: dict[str, Entry] = {}
+
+
+def output_head(chunk: nn.Module, plan: ModelPlan) -> nn.Module | None:
+    """The output head: the pipeline plan's last entry (transformers appends the head's),
+    else the model's output embedding; None on a stage that does not hold it."""
+    if plan.pipeline:
+        head = maybe_submodule(chunk, list(plan.pipeline)[-1])
+    else:
+        head = getattr(chunk, "get_output_embeddings", lambda: None)()
+    return None if head is None or isinstance(head, Absent) else head
+
+
+def maybe_submodule(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def _padded(n: int, t: int) -> int:
@@ -148,7 +166,7 @@ def apply_tensor_plan(model: nn.Module, plan: ModelPlan, group: AxisGroup, *,
     overlap = overlap and sp
     fused: dict[str, OverlappedEntry] = {}  # block -> its entry fused with its columns
     styles = _styles(model, plan)
-    output_embedding = getattr(model, "get_output_embeddings", lambda: None)()
+    output_embedding = output_head(model, plan)
     rows = {n for n, s in styles.items() if s in ROW}
     parents_with_rows = {n.rpartition(".")[0] for n in rows}
     enter = functools.partial(gather_tokens, group=group, grad="sum") if sp \

@@ -22,10 +22,10 @@ from torch import nn
 
 from paraxis.parallel.model_plan import ModelPlan, PlanError
 from paraxis.parallel.placement import placement_of
-from paraxis.parallel.stages import Absent, SkipLayer
+from paraxis.parallel.stages import SkipLayer
 from paraxis.runtime.differentiable import copy_to
 from paraxis.runtime.grid import AxisGroup
-from paraxis_tp.apply import TensorParallelApplied
+from paraxis_tp.apply import TensorParallelApplied, maybe_submodule, output_head
 from paraxis_tp.layers import gather_tokens, map_first_input, split_tokens
 from paraxis_tp.regions import run_whole
 
@@ -39,32 +39,15 @@ SEQUENCE_MIXERS = re.compile(r"(attn|attention|mixer|mamba|ssm|conv|recurrent|rn
                              r"time_mix|token_mix|temporal_block)$")
 
 
-def _maybe(model: nn.Module, name: str) -> nn.Module | None:
-    try:
-        return model.get_submodule(name)
-    except AttributeError:
-        return None
-
-
 def _layer_list(chunk: nn.Module, plan: ModelPlan) -> tuple[str, nn.ModuleList]:
     """The pipeline plan's layer list, else the longest ModuleList (as recomputation)."""
     for name in plan.pipeline:
-        if isinstance(_maybe(chunk, name), nn.ModuleList):
+        if isinstance(maybe_submodule(chunk, name), nn.ModuleList):
             return name, chunk.get_submodule(name)
     lists = [(n, m) for n, m in chunk.named_modules() if isinstance(m, nn.ModuleList)]
     if not lists:
         raise PlanError(f"{plan.model_class}: sequence parallelism found no layer list")
     return max(lists, key=lambda nm: len(nm[1]))
-
-
-def _head(chunk: nn.Module, plan: ModelPlan) -> nn.Module | None:
-    """The output head: the pipeline plan's last entry (transformers appends the head's),
-    else the model's output embedding; None on a stage that does not hold it."""
-    if plan.pipeline:
-        head = _maybe(chunk, list(plan.pipeline)[-1])
-    else:
-        head = getattr(chunk, "get_output_embeddings", lambda: None)()
-    return None if head is None or isinstance(head, Absent) else head
 
 
 def _under(prefix: str, names: Iterable[str]) -> list[str]:
@@ -78,7 +61,7 @@ def _mixers_not_entered(name: str, layers: nn.ModuleList, applied: TensorParalle
     mixer is refused: run whole, it would see the whole sequence where the plan expects
     its rank's share. A mixture-of-experts block works token by token whatever its name
     (Nemotron-H calls every layer's block ``mixer``): it routes this rank's tokens."""
-    moe = {id(m) for m in map(functools.partial(_maybe, chunk), plan.experts) if m is not None}
+    moe = {id(m) for m in (maybe_submodule(chunk, n) for n in plan.experts) if m is not None}
     out = []
     for i, layer in enumerate(layers):
         if isinstance(layer, SkipLayer):
@@ -130,7 +113,7 @@ def shard_sequence(chunk: nn.Module, plan: ModelPlan, group: AxisGroup,
 
     chunk.register_forward_pre_hook(lambda m, args: split_done.__setitem__(0, False))
     layers[first_layer].register_forward_pre_hook(split_once, with_kwargs=True)
-    head = _head(chunk, plan)
+    head = output_head(chunk, plan)
     if isinstance(head, nn.Linear) and ("tensor" not in placement_of(head.weight).sharded_axes
                                         or getattr(head, "paraxis_tensor", None) == "row"):
         # A head the plan leaves whole, or splits by rows, gets the whole sequence
