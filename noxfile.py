@@ -19,8 +19,9 @@ import nox
 ROOT = Path(__file__).parent
 # The CPU wheel on this machine's disk; an unpinned torch would pull a CUDA build.
 TORCH = "torch==2.13.0"
-# The coverage matrix describes one transformers release; docs/coverage.md names it.
-TRANSFORMERS = "transformers==5.24.0"
+# The test sessions install under constraints.txt: one transformers release for the tests
+# and the coverage matrix (docs/coverage.md names it).
+PINNED = ("-c", "constraints.txt")
 CORE = "packages/core"
 PACKAGES = sorted(
     str(p.parent.relative_to(ROOT))
@@ -64,7 +65,7 @@ def tests(session: nox.Session) -> None:
     installed (``pip uninstall`` the others, no reinstall of torch or transformers), which
     is how a user who installs one axis gets it. Every test runs once."""
     session.install(TORCH)
-    session.install(*DEV, *(f"--editable={_with_test_extra(p)}" for p in PACKAGES))
+    session.install(*PINNED, *DEV, *(f"--editable={_with_test_extra(p)}" for p in PACKAGES))
     session.run("pytest", *XDIST, "tests", *session.posargs, env=TEST_ENV)
     for package in PACKAGES:
         _alone(session, package)
@@ -95,7 +96,8 @@ def tests_isolated(session: nox.Session, package: str) -> None:
     paraxis package (an integration) lists it under ``[tool.paraxis] requires``."""
     session.install(TORCH)
     needs = (f"./{n}" for n in _needs(package))
-    session.install(*{f"./{CORE}", _with_test_extra(package), *needs}, "pytest", "pytest-timeout")
+    session.install(*PINNED, *{f"./{CORE}", _with_test_extra(package), *needs}, "pytest",
+                    "pytest-timeout")
     session.run("pytest", f"{package}/tests", *session.posargs, env=TEST_ENV)
 
 
@@ -143,5 +145,5 @@ def coverage(session: nox.Session) -> None:
     machine). Arguments go to ``python -m paraxis_hf.coverage`` (``--only llama gemma2``,
     ``--json rows.json``)."""
     install_all(session)
-    session.install(TRANSFORMERS)
+    session.install(*PINNED, "transformers")
     session.run("python", "-m", "paraxis_hf.coverage", *session.posargs, env=TEST_ENV)
