@@ -7,6 +7,7 @@
     nox -s demo             the default multi-process training run
     nox -s bench            the paired benchmarks (updates benchmarks/RESULTS.md)
     nox -s coverage         every transformers causal LM, every axis (docs/coverage.md)
+    nox -s gpu              the single-GPU checks of the CUDA paths (tests/gpu)
 """
 
 from __future__ import annotations
@@ -147,3 +148,21 @@ def coverage(session: nox.Session) -> None:
     install_all(session)
     session.install(*PINNED, "transformers")
     session.run("python", "-m", "paraxis_hf.coverage", *session.posargs, env=TEST_ENV)
+
+
+@nox.session
+def gpu(session: nox.Session) -> None:
+    """The one command a machine with CUDA runs to validate paraxis's CUDA paths
+    (paraxis.runtime.cuda_paths): tests/gpu, single-GPU checks that need no second
+    device (bf16 autocast, fused AdamW, the stream clock of collectives and MoE timers,
+    a step of a 1B Llama with its MFU), sized for under 10 minutes on one GPU (not yet
+    run on one). Each test skips with one line where CUDA is absent. Then
+    tests/gpu/record.py prints, for each path every test of its file passed, the record
+    to add to its table entry. On Linux, PyPI's torch wheel is the CUDA build (this
+    project's own machines resolve it to a CPU one)."""
+    install_all(session)
+    session.install(TRANSFORMERS, "pytest", "pytest-timeout")
+    junit = str(Path(session.create_tmp()) / "gpu-junit.xml")
+    session.run("pytest", "-p", "no:cacheprovider", f"--junitxml={junit}",
+                "tests/gpu", *session.posargs, env=TEST_ENV)
+    session.run("python", "tests/gpu/record.py", junit, env=TEST_ENV)

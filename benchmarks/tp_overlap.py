@@ -237,9 +237,10 @@ def reading(step: dict, profiled: dict, load: tuple[float, float]) -> str:
                  "point-to-point hops. ")
     return (text + f"Load average over the run: {load[0]:.1f} at the start, {load[1]:.1f} "
             "at the end (2 cores). `tensor_overlap: auto` stays off on gloo (why: "
-            "docs/architecture.md, section 5b) and is on for stream-ordered (NCCL) "
-            "groups, where a hop runs on the communicator's stream beside the GEMMs (not "
-            "run here: no GPU was lent).")
+            "docs/architecture.md, section 5b), and on stream-ordered (NCCL) groups, "
+            "where a hop runs on the communicator's stream beside the GEMMs, until a GPU "
+            "run validates that path (never run: no GPU was lent; "
+            "paraxis.runtime.cuda_paths).")
 
 
 def write(args, world, run, step, exp, waits, first, profiled, load) -> None:

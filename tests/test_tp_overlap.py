@@ -9,7 +9,6 @@ import pytest
 
 import paraxis
 from paraxis import ParallelConfig
-from paraxis.runtime.group import AxisGroup
 from paraxis.testing.parity import (
     assert_same_gradients,
     assert_same_weights,
@@ -19,7 +18,6 @@ from paraxis.testing.parity import (
 from paraxis.testing.tolerance import assert_losses_close
 from paraxis_hf import build_debug_model
 from paraxis_tp.rules import check_tensor
-from paraxis_tp.strategy import overlap_wanted
 
 LR = 1e-3
 STEPS, BATCH, SEQ = 8, 4, 16
@@ -63,13 +61,6 @@ def test_overlap_matches_one_process(worlds, degrees):
         # backward gather, the vocab-parallel loss and the partial-gradient sums
         assert ops.get("all_gather_ring", 0) > 0 and ops.get("reduce_scatter_ring", 0) > 0
         assert "reduce_scatter" not in ops, ops
-
-
-def test_auto_is_on_only_where_transfers_overlap():
-    gloo = AxisGroup(axes=("tensor",), ranks=(0, 1), rank=0)
-    nccl = AxisGroup(axes=("tensor",), ranks=(0, 1), rank=0, stream_ordered=True)
-    assert not overlap_wanted("auto", gloo) and overlap_wanted("auto", nccl)
-    assert overlap_wanted("on", gloo) and not overlap_wanted("off", nccl)
 
 
 @pytest.mark.parametrize(("options", "reason"), [

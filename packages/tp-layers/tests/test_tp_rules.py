@@ -1,7 +1,15 @@
-"""The tensor axis' rules, reported by its own package before any process group."""
+"""The tensor axis' rules, reported by its own package before any process group, and
+``tensor_overlap``'s resolution per group."""
+
+import warnings
+
+import pytest
 
 from paraxis import ConfigError, ModelShape, ParallelConfig, make_plugin_manager, validate
+from paraxis.runtime.cuda_paths import UnvalidatedCudaPath
+from paraxis.runtime.group import AxisGroup
 from paraxis_tp.rules import check_tensor
+from paraxis_tp.strategy import overlap_wanted
 
 SHAPE = ModelShape(hidden_size=60, num_attention_heads=4, num_key_value_heads=3,
                    num_layers=2, vocab_size=5, intermediate_size=100, seq_length=30)
@@ -43,3 +51,20 @@ def test_the_installed_plugin_reports_through_validate():
         assert "model.num_attention_heads" in str(exc)
     else:
         raise AssertionError("tensor=8 on 4 heads was accepted")
+
+
+@pytest.mark.parametrize(("option", "nccl", "want", "warned"), [
+    ("auto", False, False, 0),  # gloo: no step-time gain measured on CPU
+    ("on", False, True, 0),
+    ("auto", True, False, 0),   # NCCL: off until a GPU run validates it (cuda_paths)
+    ("off", True, False, 0),
+    ("on", True, True, 1),      # by hand: runs, one warning naming the path
+])
+def test_overlap_auto_is_off_everywhere_until_a_gpu_validates_it(option, nccl, want, warned):
+    group = AxisGroup(axes=("tensor",), ranks=(0, 1), rank=0, stream_ordered=nccl)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert overlap_wanted(option, group) is want
+    seen = [w for w in seen if w.category is UnvalidatedCudaPath]
+    assert len(seen) == warned
+    assert all("'tensor_overlap'" in str(w.message) for w in seen)

@@ -14,16 +14,18 @@ expert) pairs by expert also groups them by owning rank:
    over the top-k slots.
 
 Both exchanges are core's differentiable op, so backward runs the mirrored exchanges and
-the routing weights get their gradient where they were computed.
+the routing weights get their gradient where they were computed. The seconds of each
+exchange are a :class:`~paraxis.runtime.clock.Span` of the dispatcher's clock (on CUDA
+without ``parallelism.stream_timing``, the launch: :mod:`paraxis_moe.stats`).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
+from paraxis.runtime.clock import Span, Stopwatch
 from paraxis.runtime.differentiable import all_to_all_uneven
 from paraxis.runtime.grid import AxisGroup
 from paraxis_moe.stats import BackwardTimer
@@ -44,7 +46,7 @@ class Dispatched:
     recv_counts: torch.Tensor    # (ep, E/ep) rows received from each rank for each local expert
     row_bytes: int
     rank: int                    # this rank's index in the expert group
-    seconds: float = 0.0         # blocked in the forward count and token exchanges
+    exchange: Span | None = None  # the forward count and token exchanges (blocking)
 
     @property
     def bytes_out(self) -> int:
@@ -66,10 +68,10 @@ class Dispatched:
 class AllToAllDispatcher:
     """Dispatch to and combine from the experts' owners over one expert group."""
 
-    def __init__(self, group: AxisGroup, num_experts: int):
+    def __init__(self, group: AxisGroup, num_experts: int, clock: Stopwatch | None = None):
         if num_experts % group.size:
             raise ValueError(f"{num_experts} experts do not split over {group.size} expert ranks")
-        self.group = group
+        self.group, self.clock = group, clock or Stopwatch()
         self.num_experts = num_experts
         self.num_local = num_experts // group.size
 
@@ -82,7 +84,7 @@ class AllToAllDispatcher:
         pairs, sent_per_expert = self.permute(top_k_index, keep)
         # 2. counts: rank j gets our counts for its experts, we get theirs for ours.
         n, local = self.group.size, self.num_local
-        start = time.perf_counter()
+        start = self.clock.mark()
         recv_counts = all_to_all_uneven(sent_per_expert, self.group, [local] * n, [local] * n)
         recv_counts = recv_counts.view(n, local)
         send = tuple(sent_per_expert.view(n, local).sum(1).tolist())
@@ -92,12 +94,12 @@ class AllToAllDispatcher:
         if timer is not None:
             rows = timer.point(rows, "dispatch")
         tokens = all_to_all_uneven(rows, self.group, send, recv)
-        seconds = time.perf_counter() - start
+        exchange = self.clock.since(start)
         if timer is not None:
             tokens = timer.point(tokens, "compute")
         return Dispatched(tokens, local_ids(recv_counts), pairs, send, recv,
                           sent_per_expert, recv_counts,
-                          hidden.shape[-1] * hidden.element_size(), self.group.rank, seconds)
+                          hidden.shape[-1] * hidden.element_size(), self.group.rank, exchange)
 
     def permute(self, top_k_index: torch.Tensor, keep: torch.Tensor | None,
                 tokens: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,18 +117,18 @@ class AllToAllDispatcher:
 
     def combine(self, expert_out: torch.Tensor, d: Dispatched, top_k_weights: torch.Tensor,
                 keep: torch.Tensor | None, timer: BackwardTimer | None = None,
-                ) -> tuple[torch.Tensor, float]:
-        """Each token's weighted sum over its slots; returns it and the seconds blocked."""
+                ) -> tuple[torch.Tensor, Span]:
+        """Each token's weighted sum over its slots; returns it and the exchange's span."""
         if timer is not None:
             expert_out = timer.point(expert_out, "combine")
-        start = time.perf_counter()
+        start = self.clock.mark()
         # Expert outputs go back as computed: bf16 where autocast ran the experts, fp32
         # where they ran outside it (grouped matmuls), as one process would keep them.
         back = all_to_all_uneven(expert_out, self.group, d.recv, d.send, narrow=False)
-        seconds = time.perf_counter() - start
+        exchange = self.clock.since(start)
         if timer is not None:
             back = timer.point(back, None)
-        return unpermute(back, d.pairs, top_k_weights, keep), seconds
+        return unpermute(back, d.pairs, top_k_weights, keep), exchange
 
     def local_range(self) -> tuple[int, int]:
         """[first, last) global ids of this rank's experts."""

@@ -21,11 +21,13 @@ the local expert set, which torch 2.13 runs on CPU for fp32/bf16 with 16-byte al
 rows; ``eager``: a loop over the local experts hit, never over tokens); see
 :mod:`paraxis_moe.grouped` for where that is replaced. ``moe.dispatch_chunks`` > 1
 overlaps the exchanges of chunks of tokens with the compute (:mod:`paraxis_moe.overlap`).
+Compute and exchange seconds are spans of the layer's clock (:mod:`paraxis_moe.stats`:
+on CUDA without ``parallelism.stream_timing``, launch times).
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -33,13 +35,14 @@ from torch import nn
 
 from paraxis.config.parallel import AXES
 from paraxis.parallel.placement import Placement, has_placement, placement_of, set_placement
+from paraxis.runtime.clock import Span
 from paraxis.runtime.grid import AxisGroup
 from paraxis_moe.capacity import grouped_keep_mask
 from paraxis_moe.config import MoEConfig
 from paraxis_moe.dispatcher import AllToAllDispatcher, Dispatched
 from paraxis_moe.expert_tensor import ExpertTensor, shard_expert_ffn
 from paraxis_moe.grouped import local_kernel, padded_bmm_forward
-from paraxis_moe.overlap import chunked_exchange, counted, merged
+from paraxis_moe.overlap import chunked_exchange, chunked_wanted, counted, merged
 from paraxis_moe.stats import BackwardTimer, LayerStats, probe
 
 __all__ = ["ExpertParallelExperts", "UnsupportedMoELayout", "check_experts", "shard_experts"]
@@ -84,6 +87,8 @@ class ExpertParallelExperts(nn.Module):
     capacity_groups: int = 1
     # Set when each expert's FFN is split over the tensor group (expert_tensor > 1).
     expert_tensor: ExpertTensor | None = None
+    # moe.dispatch_chunks resolved once per run (paraxis_moe.overlap.chunked_wanted).
+    chunked: bool = False
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -93,22 +98,26 @@ class ExpertParallelExperts(nn.Module):
                                      self.moe, self.capacity_groups)
         timer, moved = None, {}
         counting = self.stats is not None and torch.is_grad_enabled()  # not in evaluation
-        if self.moe.dispatch_chunks > 1 and self.dispatcher.group.size > 1:
+        if self.chunked:
             return self._chunked(hidden_states, top_k_index, top_k_weights, keep, counting)
+        clock = self.dispatcher.clock
         if counting and hidden_states.requires_grad:
-            timer = BackwardTimer(lambda label, s: self._backward_segment(label, s, moved))
+            timer = BackwardTimer(lambda label, s: self._backward_segment(label, s, moved),
+                                  clock)
         if keep is None and self.dispatcher.group.size == 1:
             return self._alone(hidden_states, top_k_index, top_k_weights, timer, moved)
         d = self.dispatcher.dispatch(hidden_states, top_k_index, keep, timer)
         moved.update(total=d.bytes_out, per_expert=d.bytes_per_expert(),
                      share=self._share(d.recv_counts.sum(0)))
-        start = time.perf_counter()
+        start = clock.mark()
         out = self._local_experts(d)
-        compute_s = time.perf_counter() - start
-        y, combine_s = self.dispatcher.combine(out, d, top_k_weights, keep, timer)
+        compute = clock.since(start)
+        y, combine = self.dispatcher.combine(out, d, top_k_weights, keep, timer)
         if counting:
-            self._record(d, top_k_index, compute_s, d.seconds + combine_s, moved)
-            self.stats.add("a2a_span_s", d.seconds + combine_s)  # blocking: all exposed
+            exchanges = [s for s in (d.exchange, combine) if s is not None]
+            self._record(d, top_k_index, [compute], exchanges, moved)
+            for span in exchanges:  # blocking: all exposed
+                self.stats.add_time("a2a_span_s", span)
         return y.to(hidden_states.dtype)
 
     def _chunked(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -116,15 +125,15 @@ class ExpertParallelExperts(nn.Module):
                  counting: bool) -> torch.Tensor:
         """Dispatch, compute and combine in ``moe.dispatch_chunks`` overlapped chunks
         (:mod:`paraxis_moe.overlap`); backward compute is not timed (chunks interleave)."""
-        stats, seconds = self.stats if counting else None, [0.0]
+        stats, spans, clock = self.stats if counting else None, [], self.dispatcher.clock
 
         def compute(d: Dispatched) -> torch.Tensor:
-            start = time.perf_counter()
+            start = clock.mark()
             out = self._local_experts(d)
-            seconds[0] += time.perf_counter() - start
+            spans.append(clock.since(start))
             return out
 
-        y, records, count_s = chunked_exchange(
+        y, records, count = chunked_exchange(
             self.dispatcher, hidden_states, top_k_index, top_k_weights, keep,
             self.moe.dispatch_chunks, compute, counted(stats))
         if stats is None:
@@ -132,10 +141,10 @@ class ExpertParallelExperts(nn.Module):
         d = merged(records)
         moved = {"total": d.bytes_out, "per_expert": d.bytes_per_expert(),
                  "share": self._share(d.recv_counts.sum(0))}
-        self._record(d, top_k_index, seconds[0], count_s, moved)
-        stats.add("a2a_span_s", count_s)
+        self._record(d, top_k_index, spans, [count], moved)
+        stats.add_time("a2a_span_s", count)
         if y.requires_grad:  # backward moves the forward's bytes again
-            y = probe(y, lambda: self._backward_segment("bytes", 0.0, moved))
+            y = probe(y, lambda: self._backward_segment("bytes", None, moved))
         return y.to(hidden_states.dtype)
 
     def _alone(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -146,18 +155,19 @@ class ExpertParallelExperts(nn.Module):
         counts = torch.bincount(top_k_index.reshape(-1), minlength=self.dispatcher.num_experts)
         moved["share"] = self._share(counts)
         x = timer.point(hidden_states, "compute") if timer is not None else hidden_states
-        start = time.perf_counter()
+        clock = self.dispatcher.clock
+        start = clock.mark()
         if self.expert_tensor is not None:
             y = self.expert_tensor.whole(x, top_k_index, top_k_weights, self._compute)
         else:
             y = self._compute(x, top_k_index, top_k_weights)
-        compute_s = time.perf_counter() - start
+        compute = clock.since(start)
         if timer is not None:
             y = timer.point(y, None)
         stats = self.stats
         if stats is not None and torch.is_grad_enabled():
-            stats.add("expert_compute_s", compute_s)
-            stats.add("compute_s_per_expert", moved["share"] * compute_s)
+            stats.add_time("expert_compute_s", compute)
+            stats.add_time("compute_s_per_expert", compute, moved["share"])
             if self.recording:
                 for name in ("assigned", "accepted", "processed"):
                     stats.add(name, counts)
@@ -206,15 +216,17 @@ class ExpertParallelExperts(nn.Module):
         share[first:last] = rows / max(float(rows.sum()), 1.0)
         return share
 
-    def _record(self, d: Dispatched, top_k_index: torch.Tensor, compute_s: float,
-                exchange_s: float, moved: dict[str, Any]) -> None:
+    def _record(self, d: Dispatched, top_k_index: torch.Tensor, compute: Sequence[Span],
+                exchanges: Sequence[Span], moved: dict[str, Any]) -> None:
         stats = self.stats
         assert stats is not None
         stats.add("dispatch_bytes", d.bytes_out)
         stats.add("bytes_per_expert", moved["per_expert"])
-        stats.add("dispatch_s", exchange_s)
-        stats.add("expert_compute_s", compute_s)
-        stats.add("compute_s_per_expert", moved["share"] * compute_s)
+        for span in exchanges:
+            stats.add_time("dispatch_s", span)
+        for span in compute:
+            stats.add_time("expert_compute_s", span)
+            stats.add_time("compute_s_per_expert", span, moved["share"])
         if not self.recording:
             return
         assigned = torch.bincount(top_k_index.reshape(-1), minlength=self.dispatcher.num_experts)
@@ -227,16 +239,19 @@ class ExpertParallelExperts(nn.Module):
         stats.add("processed", processed)
         stats.add("forwards", 1)
 
-    def _backward_segment(self, label: str, seconds: float, moved: dict[str, Any]) -> None:
+    def _backward_segment(self, label: str, span: Span | None, moved: dict[str, Any]) -> None:
+        """A backward segment's span (None: bytes only, the chunked path's)."""
         stats = self.stats
         if stats is None:
             return
         if label == "compute":
-            stats.add("expert_compute_s", seconds)
-            stats.add("compute_s_per_expert", moved["share"] * seconds)
+            assert span is not None
+            stats.add_time("expert_compute_s", span)
+            stats.add_time("compute_s_per_expert", span, moved["share"])
             return
-        stats.add("dispatch_s", seconds)
-        stats.add("a2a_span_s", seconds)
+        if span is not None:
+            stats.add_time("dispatch_s", span)
+            stats.add_time("a2a_span_s", span)
         if label in ("combine", "bytes"):
             # Backward's two mirrored exchanges move the forward's bytes again; the
             # combine's runs first, so both are counted there.
@@ -265,17 +280,24 @@ def _expert_parallel_class(cls: type) -> type:
 
 def shard_experts(experts: nn.Module, group: AxisGroup, *, moe: MoEConfig | None = None,
                   stats: LayerStats | None = None, name: str = "experts",
-                  expert_tensor: ExpertTensor | None = None) -> ExpertParallelExperts:
+                  expert_tensor: ExpertTensor | None = None,
+                  chunked: bool | None = None) -> ExpertParallelExperts:
     """Keep this rank's ``E / ep`` experts of ``experts`` and dispatch to the others;
     with ``expert_tensor``, also split each expert's FFN over its group.
 
     ``name`` is the module's qualified name, for errors and for placement records of
-    parameters that have none yet. Every rank of ``group`` must call it.
+    parameters that have none yet. ``chunked`` is ``moe.dispatch_chunks`` resolved by
+    a caller sharding many blocks (None: resolved here). Seconds are timed on
+    ``stats``' clock. Every rank of ``group`` must call it.
     """
     check_experts(experts, name)
     if isinstance(experts, ExpertParallelExperts):
         raise UnsupportedMoELayout(f"{name} is already expert parallel")
-    dispatcher = AllToAllDispatcher(group, experts.num_experts)
+    moe = moe or MoEConfig()
+    if chunked is None:
+        chunked = chunked_wanted(moe.dispatch_chunks, group)
+    dispatcher = AllToAllDispatcher(group, experts.num_experts,
+                                    clock=stats.clock if stats is not None else None)
     first, last = dispatcher.local_range()
     for pname, param in list(experts.named_parameters(recurse=False)):
         record = placement_of(param) if has_placement(param) else Placement(
@@ -293,7 +315,8 @@ def shard_experts(experts: nn.Module, group: AxisGroup, *, moe: MoEConfig | None
     experts.num_global_experts = experts.num_experts
     experts.num_experts = last - first  # what the model's own forward loops / bins over
     experts.dispatcher = dispatcher
-    experts.moe = moe or MoEConfig()
+    experts.moe = moe
+    experts.chunked = chunked
     experts.stats = stats
     experts.recording = True
     return experts  # type: ignore[return-value]

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from paraxis.parallel.aux_losses import AuxLosses
+from paraxis.runtime.clock import Stopwatch
 from paraxis.runtime.collectives import all_reduce_
 from paraxis.runtime.grid import AxisGroup
 from paraxis.runtime.world import device_for_rank
@@ -38,6 +39,7 @@ from paraxis_moe.experts import (
     check_experts,
     shard_experts,
 )
+from paraxis_moe.overlap import chunked_wanted
 from paraxis_moe.router import RouterLosses, watch_router
 from paraxis_moe.stats import MoEStats
 
@@ -149,7 +151,8 @@ class ExpertParallel:
     ``allow_empty`` (a pipeline stage) a module without MoE blocks is accepted. With a
     group of one, blocks whose experts cannot be sharded are kept whole (``kept``).
     ``expert_tensor`` splits each expert's FFN over the tensor group
-    (:mod:`paraxis_moe.expert_tensor`).
+    (:mod:`paraxis_moe.expert_tensor`). ``clock`` times the statistics' seconds (the
+    host clock by default; :mod:`paraxis_moe.stats`).
     Every rank of the grid must build it with the same arguments.
     """
 
@@ -157,7 +160,8 @@ class ExpertParallel:
                  group: AxisGroup, *, moe: MoEConfig | None = None,
                  token_group: AxisGroup | None = None, pipeline: AxisGroup | None = None,
                  sequence_groups: tuple[AxisGroup, ...] = (),
-                 allow_empty: bool = False, expert_tensor: ExpertTensor | None = None):
+                 allow_empty: bool = False, expert_tensor: ExpertTensor | None = None,
+                 clock: Stopwatch | None = None):
         self.moe = moe or MoEConfig()
         self.group, self.token_group, self.pipeline = group, token_group, pipeline
         self.roots = [model] if isinstance(model, nn.Module) else list(model)
@@ -178,7 +182,7 @@ class ExpertParallel:
         if not top_k:
             raise UnsupportedMoELayout(f"{where}: cannot find the router's top-k")
         self.top_k = int(top_k)
-        self.stats = MoEStats(self.num_experts, self.names)
+        self.stats = MoEStats(self.num_experts, self.names, clock)
         self._hooks: list[Any] = []
         biases = {name: bias for root, name, _, _ in parts
                   if (bias := correction_bias(root.get_submodule(name))) is not None}
@@ -205,12 +209,14 @@ class ExpertParallel:
                          else None)
         self.recording = True
         self.experts: dict[str, ExpertParallelExperts] = {}
+        chunked = chunked_wanted(self.moe.dispatch_chunks, group)  # once: one warning
         for root, name, router, experts in parts:
             layer = self.stats.layers[name]
             if experts is not None:
                 self.experts[name] = shard_experts(experts, group, moe=self.moe, stats=layer,
                                                    name=f"{name}.experts",
-                                                   expert_tensor=expert_tensor)
+                                                   expert_tensor=expert_tensor,
+                                                   chunked=chunked)
             if router is not None:
                 self._hooks.append(watch_router(router, stats=layer, losses=self.losses,
                                                 recording=lambda: self.recording,

@@ -14,12 +14,21 @@ it keeps never touch a link). Forward moves the dispatched rows out and the comp
 back; backward moves the same number of rows again, mirrored, and is counted when it
 runs. Backward seconds are taken between identity autograd nodes placed around each
 segment (:func:`probe`); on one autograd thread the segment's own node runs between them.
+
+Seconds are read from the run's :class:`~paraxis.runtime.clock.Stopwatch` (each
+:class:`LayerStats` holds it). On CPU that is the host clock, and the seconds are those
+spent. On CUDA, until ``parallelism.stream_timing`` is on (off under ``auto`` until a
+GPU run validates it: :mod:`paraxis.runtime.cuda_paths`), it is the host clock too, and
+kernels and NCCL all-to-alls return once queued, so ``dispatch_s``, ``a2a_span_s`` and
+``expert_compute_s`` measure **launches** (plus any host synchronization, such as the
+split sizes read back after the count exchange), not the work. With stream timing on they
+are CUDA events on the compute stream, kept as pairs and read when the step's metrics
+are reduced (:meth:`LayerStats.settle`), so no op is synchronized.
 """
 
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +38,7 @@ import torch.distributed as dist
 
 from paraxis.parallel.metric_names import moe_array, moe_block, moe_total, parse_moe_array
 from paraxis.parallel.summary import RunReport
+from paraxis.runtime.clock import Span, Stopwatch
 
 __all__ = ["BackwardTimer", "LayerStats", "MoEStats", "expert_load_report", "probe"]
 
@@ -41,7 +51,8 @@ _SUMMED = ("assigned", "accepted", "dropped", "processed", "bytes_per_expert",
 PER_EXPERT = ("assigned", "accepted", "dropped", "processed", "dispatch_bytes", "compute_s",
               "prob_mean")
 # ``dispatch_s`` is the time blocked in the exchanges (exposed), ``a2a_span_s`` their
-# lifetime from launch to the end of the wait: equal unless dispatch is chunked.
+# lifetime from launch to the end of the wait: equal unless dispatch is chunked. On CUDA
+# without stream timing, all three timers measure launches (module docstring).
 _MAXED = ("dispatch_bytes", "dispatch_s", "a2a_span_s", "expert_compute_s")
 
 
@@ -63,28 +74,32 @@ def probe(x: torch.Tensor, callback: Callable[[], None]) -> torch.Tensor:
 
 
 class BackwardTimer:
-    """Points placed in forward order; in backward, the seconds since the later point
-    fired are credited to the earlier point's segment (``on_segment(label)``)."""
+    """Points placed in forward order; in backward, the span since the later point
+    fired is credited to the earlier point's segment (``on_segment(label, span)``)."""
 
-    def __init__(self, on_segment: Callable[[str, float], None]):
-        self.on_segment = on_segment
-        self._last: float | None = None
+    def __init__(self, on_segment: Callable[[str, Span], None], clock: Stopwatch):
+        self.on_segment, self.clock = on_segment, clock
+        self._last: Any = None
 
     def point(self, x: torch.Tensor, label: str | None) -> torch.Tensor:
         def fired() -> None:
-            now = time.perf_counter()
+            now = self.clock.mark()
             if label is not None and self._last is not None:
-                self.on_segment(label, now - self._last)
+                self.on_segment(label, Span(self._last, now))
             self._last = now
         return probe(x, fired)
 
 
 @dataclass
 class LayerStats:
-    """One MoE block's numbers on this rank since the last reset (float64 vectors)."""
+    """One MoE block's numbers on this rank since the last reset (float64 vectors);
+    ``clock`` times what is added with :meth:`add_time`."""
 
     num_experts: int
     values: dict[str, torch.Tensor] = field(default_factory=dict)
+    clock: Stopwatch = field(default_factory=Stopwatch)
+    # Spans on the CUDA stream not read yet: (name, span, scale).
+    pending: list[tuple[str, Span, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.reset()
@@ -99,10 +114,25 @@ class LayerStats:
             **{k: torch.zeros(1, dtype=torch.float64) for k in
                ("entropy_sum", "tokens", "forwards", *_MAXED)},
         }
+        self.pending = []
 
     def add(self, name: str, value: Any) -> None:
         v = value.detach().to("cpu", torch.float64) if torch.is_tensor(value) else value
         self.values[name] += v
+
+    def add_time(self, name: str, span: Span, scale: Any = 1.0) -> None:
+        """``span``'s seconds (times ``scale``: an expert's share) into ``name``: now on
+        the host clock; on the stream when the step is read (:meth:`settle`)."""
+        if span.on_stream:
+            self.pending.append((name, span, scale))
+        else:
+            self.add(name, scale * span.seconds())
+
+    def settle(self) -> None:
+        """Read the stream spans added so far (waits for their last events)."""
+        pending, self.pending = self.pending, []
+        for name, span, scale in pending:
+            self.add(name, scale * span.seconds())
 
     def add_router(self, logits: torch.Tensor) -> None:
         """The router's distribution: softmax over its logits (the distribution the
@@ -122,9 +152,10 @@ class LayerStats:
 class MoEStats:
     """Every block's :class:`LayerStats`, reduced into one step's metrics."""
 
-    def __init__(self, num_experts: int, names: list[str]):
+    def __init__(self, num_experts: int, names: list[str], clock: Stopwatch | None = None):
         self.num_experts = num_experts
-        self.layers = {name: LayerStats(num_experts) for name in names}
+        self.clock = clock or Stopwatch()
+        self.layers = {name: LayerStats(num_experts, clock=self.clock) for name in names}
         # The last step's reduced values, every layer of the model (all stages).
         self.last: dict[str, dict[str, torch.Tensor]] = {}
 
@@ -136,6 +167,8 @@ class MoEStats:
         """Every layer's values, summed (counts) or maxed (bytes, seconds per rank)
         over ``group`` (an AxisGroup of the ranks holding distinct tokens; None: this
         rank only). Collective over the group."""
+        for layer in self.layers.values():
+            layer.settle()
         layouts = [[(n, k, self.layers[n].values[k].numel()) for n in sorted(self.layers)
                     for k in keys] for keys in (_SUMMED, _MAXED)]
         flats = [torch.cat([self.layers[n].values[k] for n, k, _ in layout])

@@ -33,6 +33,7 @@ from paraxis.config.errors import Problem
 from paraxis.parallel.model_plan import ModelPlan
 from paraxis.parallel.stages import chunks_of
 from paraxis.parallel.strategy import ApplyContext, Phase, Strategy
+from paraxis.runtime.clock import Stopwatch
 from paraxis.runtime.grid import DENSE_REPLICA_AXES, SEQUENCE_SHARD_AXES
 from paraxis_moe.config import group_limit_problems, moe_config
 from paraxis_moe.expert_tensor import ExpertTensor, refusals
@@ -94,7 +95,8 @@ class ExpertParallelStrategy(Strategy):
         ep = ExpertParallel(chunks_of(model), plan.experts, ctx.grid.group("expert"), moe=moe,
                             token_group=ctx.grid.group(token_axes), sequence_groups=splitting,
                             pipeline=ctx.grid.group("pipeline") if ctx.pipeline else None,
-                            allow_empty=ctx.pipeline is not None, expert_tensor=split)
+                            allow_empty=ctx.pipeline is not None, expert_tensor=split,
+                            clock=Stopwatch(on_stream=ctx.grid.comm.on_stream))
         for name in ep.losses.names:
             ctx.aux_losses.declare(name)
         ep.attach(ctx.aux_losses)

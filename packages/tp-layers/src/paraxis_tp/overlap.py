@@ -24,7 +24,9 @@ Only modules whose forward is ``nn.Linear``'s own take part (a subclass keeps it
 forward and the plain collectives). Sums are taken in ring order, not the collective's,
 so results agree with the plain path at the reduction tolerance, not bit for bit. On a
 stream-ordered group (NCCL) transfers run on the communicator's stream while the GEMMs
-run on the current one; that path has not run here (no GPU was lent).
+run on the current one; that path has never run (no GPU was lent): it is the CUDA path
+``tensor_overlap`` of :mod:`paraxis.runtime.cuda_paths`, off under ``auto`` until a GPU
+run validates it (:func:`paraxis_tp.strategy.overlap_wanted`).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from paraxis.parallel.placement import placement_of
 from paraxis.parallel.stages import chunks_of
 from paraxis.parallel.strategy import ApplyContext, Phase, Strategy, SyncOrder
 from paraxis.runtime.collectives import all_gather_into, all_reduce_
+from paraxis.runtime.cuda_paths import cuda_path_on
 from paraxis.runtime.grid import AxisGroup
 from paraxis.runtime.world import device_for_rank
 from paraxis_tp.apply import TensorParallelApplied, apply_tensor_plan, mark_partial
@@ -105,12 +106,16 @@ class PartialGradSync:
 
 
 def overlap_wanted(option: str, group: AxisGroup) -> bool:
-    """``parallelism.tensor_overlap`` resolved for ``group`` (sequence parallel only).
-    ``auto`` is on where transfers and GEMMs can run at once, a stream-ordered group
-    (NCCL: the communicator's stream beside the compute stream), and off on gloo, where
-    benchmarks/tp_overlap.py measured no gain on this project's CPUs (RESULTS.md,
-    ``tp_overlap``)."""
-    return option == "on" or (option == "auto" and group.stream_ordered)
+    """``parallelism.tensor_overlap`` resolved for ``group`` (sequence parallel only),
+    once per run. On gloo ``auto`` is off: benchmarks/tp_overlap.py measured no step-time
+    gain on this project's CPUs (RESULTS.md, ``tp_overlap``). On a stream-ordered group
+    (NCCL: hops on the communicator's stream beside the compute stream) it is the CUDA
+    path ``tensor_overlap``, which no GPU has run yet: ``auto`` stays off until one has
+    passed the overlap parity tests, and ``on`` runs it with one warning naming it
+    (:mod:`paraxis.runtime.cuda_paths`)."""
+    if group.stream_ordered:
+        return cuda_path_on("tensor_overlap", option)
+    return option == "on"
 
 
 class TensorParallelStrategy(Strategy):

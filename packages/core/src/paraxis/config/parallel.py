@@ -81,9 +81,16 @@ class Parallelism(_Section):
     zero: Literal[0, 1, 2, 3] = 0
     sequence_parallel: bool = False
     # Sequence parallel's all-gathers and reduce-scatters cut into ring steps that
-    # overlap the tensor-parallel GEMMs (paraxis_tp.overlap); auto: see
-    # docs/architecture.md, "Tensor-parallel overlap".
+    # overlap the tensor-parallel GEMMs (paraxis_tp.overlap). auto: off on gloo (no
+    # step-time gain measured on CPU) and off on NCCL until a GPU run validates it
+    # (paraxis.runtime.cuda_paths, "tensor_overlap"); on forces it, with a warning
+    # on NCCL while unvalidated.
     tensor_overlap: Literal["auto", "on", "off"] = "auto"
+    # On CUDA, read blocked and compute seconds (exposed_comm_s, the moe/ timers) from
+    # CUDA events on the compute stream (paraxis.runtime.clock) instead of the host
+    # clock, which there measures launches. auto: off until a GPU run validates it
+    # (paraxis.runtime.cuda_paths, "stream_timing"); nothing changes on CPU.
+    stream_timing: Literal["auto", "on", "off"] = "auto"
     # Expert tensor parallelism (Megatron-Core's expert_tensor_parallel_size): each
     # expert's FFN split column/row-wise over this many tensor ranks. 1 (the default)
     # keeps experts whole on every tensor rank, as before it existed; the other value
@@ -124,7 +131,9 @@ class MoEConfig(_Section):
     ``bias_update_rate`` > 0 turns on DeepSeek-V3's auxiliary-loss-free balancing for
     routers holding an ``e_score_correction_bias`` (its paper used 0.001); 0 leaves
     the bias as loaded. ``dispatch_chunks`` > 1 cuts each block's routed tokens into
-    that many chunks whose all-to-alls overlap the other chunks' expert compute.
+    that many chunks whose all-to-alls overlap the other chunks' expert compute (off by
+    default; on NCCL a CUDA path no GPU has validated yet, which warns when set:
+    paraxis.runtime.cuda_paths, "moe_dispatch_chunks").
     """
 
     capacity_factor: float | None = Field(default=None, gt=0)

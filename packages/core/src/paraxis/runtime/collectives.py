@@ -14,13 +14,13 @@ tensor); the differentiable pairs a model's forward needs are in
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
 
+from paraxis.runtime.clock import Stopwatch
 from paraxis.runtime.comm_stats import CommStats
 from paraxis.runtime.group import AxisGroup
 from paraxis.runtime.liveness import guard
@@ -52,26 +52,27 @@ _scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scat
 class _Clock:
     """The time a caller sits blocked on one collective. Where the CPU waits for the
     transfer (gloo) that is its wall time. On a stream-ordered backend (NCCL) the call
-    returns at once and the *compute stream* waits instead, so wall time would read near
-    zero: there two CUDA events bracket the call (or ``wait()``) on the current stream
-    and their gap, read when the step's totals are (:meth:`CommStats.settle`), is the
-    stall. The CUDA path has not run here: no GPU was lent to this project's sessions."""
+    returns at once and the *compute stream* waits instead, so wall time reads the
+    launch: with ``parallelism.stream_timing`` on (the grid's ``CommStats.on_stream``)
+    two CUDA events bracket the call (or ``wait()``) on the current stream and their
+    gap, read when the step's totals are (:meth:`CommStats.settle`), is the stall. That
+    path is a CUDA path no GPU has validated yet (:mod:`paraxis.runtime.cuda_paths`,
+    ``stream_timing``), so it is off unless asked for."""
 
     def __init__(self, group: AxisGroup):
-        self.group, self.start, self.events = group, time.perf_counter(), None
-        if group.stream_ordered:  # decided once, when the grid made the group
-            self.events = (torch.cuda.Event(enable_timing=True),
-                           torch.cuda.Event(enable_timing=True))
-            self.events[0].record()
+        stats = getattr(group, "stats", None)
+        self.group, self.stats = group, stats
+        # decided once, when the grid made the group and read the config
+        on_stream = group.stream_ordered and stats is not None and stats.on_stream
+        self.watch = Stopwatch(on_stream=on_stream)
+        self.start = self.watch.mark()
 
     def stop(self, op: str) -> float:
         """Seconds blocked (0 where the events will tell, later)."""
-        if self.events is None:
-            return time.perf_counter() - self.start
-        self.events[1].record()
-        stats = getattr(self.group, "stats", None)
-        if stats is not None:
-            stats.add_stream_wait(self.group.axes, op, *self.events)
+        span = self.watch.since(self.start)
+        if not span.on_stream:
+            return span.seconds()
+        self.stats.add_stream_wait(self.group.axes, op, span.start, span.end)
         return 0.0
 
 

@@ -20,6 +20,9 @@ class CommStats:
     calls: dict[tuple[str, str], int] = field(default_factory=dict)
     # CUDA event pairs around stream waits not yet read (NCCL; see collectives._Clock).
     stream_waits: list[tuple[tuple[str, str], Any, Any]] = field(default_factory=list)
+    # Blocked seconds on NCCL groups read from CUDA events (parallelism.stream_timing,
+    # resolved by Grid.build); False: the host clock, which on NCCL times the launch.
+    on_stream: bool = False
 
     def add(self, axes: tuple[str, ...], op: str, nbytes: float = 0.0,
             seconds: float = 0.0, calls: int = 1) -> None:

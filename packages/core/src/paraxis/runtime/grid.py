@@ -22,6 +22,7 @@ import torch.distributed as dist
 from paraxis.config.errors import ConfigError, Problem
 from paraxis.config.parallel import AXES, SAMPLE_AXES, TOKEN_AXES, ParallelConfig
 from paraxis.runtime.comm_stats import CommStats
+from paraxis.runtime.cuda_paths import cuda_path_on
 from paraxis.runtime.group import AxisGroup
 from paraxis.runtime.liveness import Heartbeat
 
@@ -127,7 +128,7 @@ class Grid:
                                        f"must equal the product of degrees {layout.degrees} "
                                        f"= {layout.size}", "launch that many processes")])
         rank = dist.get_rank()
-        comm = CommStats()
+        comm = CommStats(on_stream=_stream_timing(config))
         groups: dict[tuple[str, ...], AxisGroup] = {}
         for axes in cls.STANDARD:
             axes = _canonical(axes)
@@ -217,6 +218,17 @@ class Grid:
         self.embedding = None
         if self.heartbeat is not None:
             self.heartbeat.stop()
+
+
+def _stream_timing(config: ParallelConfig | Mapping[str, int]) -> bool:
+    """``parallelism.stream_timing`` resolved once per run: only NCCL's groups have a
+    stream to time on; there it is a CUDA path (``stream_timing``) that warns when on
+    by hand while unvalidated (:mod:`paraxis.runtime.cuda_paths`)."""
+    if dist.get_backend() != "nccl":
+        return False
+    option = config.parallelism.stream_timing if isinstance(config, ParallelConfig) \
+        else "auto"
+    return cuda_path_on("stream_timing", option)
 
 
 def _new_group_of(members: list[list[int]], layout: GridLayout, rank: int,

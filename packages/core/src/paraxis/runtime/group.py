@@ -27,7 +27,8 @@ class AxisGroup:
     pg: Any = field(default=None, compare=False, repr=False)
     stats: Any = field(default=None, compare=False, repr=False)
     # Its collectives order against CUDA streams (NCCL) instead of blocking the calling
-    # thread: blocked time is then read from CUDA events (collectives._Clock).
+    # thread: blocked time is then the stream's, read from CUDA events where
+    # parallelism.stream_timing is on (collectives._Clock), else the launch's.
     stream_ordered: bool = field(default=False, compare=False)
 
     @property
