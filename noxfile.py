@@ -82,11 +82,12 @@ def _alone(session: nox.Session, package: str) -> None:
 
 
 def _with_test_extra(package: str) -> str:
-    """``./package[test]`` when the package declares test-only dependencies (a package
-    whose tests build Hugging Face models from config needs transformers)."""
-    meta = nox.project.load_toml(f"{package}/pyproject.toml")["project"]
-    extras = meta.get("optional-dependencies", {})
-    return f"./{package}[test]" if "test" in extras else f"./{package}"
+    """``./package[extra,...]`` with every extra the package declares, whatever its
+    name: a package's own tests cover its optional features (issue 32: seq-context's
+    Hugging Face tests need the transformers its ``hf`` extra names, and a session that
+    installed ``[test]`` alone skipped them)."""
+    extras = sorted(_meta(package)["project"].get("optional-dependencies", {}))
+    return f"./{package}[{','.join(extras)}]" if extras else f"./{package}"
 
 
 @nox.session
@@ -99,7 +100,8 @@ def tests_isolated(session: nox.Session, package: str) -> None:
     needs = (f"./{n}" for n in _needs(package))
     session.install(*PINNED, *{f"./{CORE}", _with_test_extra(package), *needs}, "pytest",
                     "pytest-timeout")
-    session.run("pytest", f"{package}/tests", *session.posargs, env=TEST_ENV)
+    # -rs: a test skipped for want of an installed module is named in the output.
+    session.run("pytest", "-rs", f"{package}/tests", *session.posargs, env=TEST_ENV)
 
 
 SOURCES = [str(p) for p in sorted([*ROOT.glob("packages/*/src"),
@@ -161,7 +163,7 @@ def gpu(session: nox.Session) -> None:
     to add to its table entry. On Linux, PyPI's torch wheel is the CUDA build (this
     project's own machines resolve it to a CPU one)."""
     install_all(session)
-    session.install(TRANSFORMERS, "pytest", "pytest-timeout")
+    session.install(*PINNED, "transformers", "pytest", "pytest-timeout")
     junit = str(Path(session.create_tmp()) / "gpu-junit.xml")
     session.run("pytest", "-p", "no:cacheprovider", f"--junitxml={junit}",
                 "tests/gpu", *session.posargs, env=TEST_ENV)

@@ -13,7 +13,7 @@ from paraxis.testing import run_distributed
 from paraxis.train.loop import train
 
 
-def run_config(steps, ckpt=None, data=2, exit_after=None):
+def run_config(steps, ckpt=None, data=2, exit_after=None, **train_kw):
     return RunConfig.from_dict({
         "parallelism": {"data": data},
         "schedule": {"microbatches": 2},
@@ -21,7 +21,7 @@ def run_config(steps, ckpt=None, data=2, exit_after=None):
                                                "num_heads": 4, "intermediate_size": 64}},
         "train": {"steps": steps, "global_batch": 8, "seq_length": 32, "lr": 5e-3,
                   "warmup_steps": 3, "log_every": 100, "checkpoint_dir": ckpt,
-                  "exit_after_steps": exit_after},
+                  "exit_after_steps": exit_after, **train_kw},
         "data": {"max_bytes": 60_000},
         "logging": {"progress": False, "wandb": False},
     })
@@ -40,6 +40,58 @@ def test_resume_in_new_processes_repeats_the_same_losses(tmp_path):
     second = run_distributed(train_losses, 2, 20, ckpt)[0]  # new processes, resumes
     assert len(first) == 10 and len(second) == 10
     assert first + second == straight  # bit for bit, not approximately
+
+
+def lr_run(steps, ckpt, exit_after=None, reschedule=False):
+    """Each step's learning rate and what the run printed."""
+    import contextlib
+    import io
+
+    history, out = [], io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train(run_config(steps, ckpt, data=1, exit_after=exit_after, reschedule=reschedule),
+              history)
+    return [m["lr"] for m in history], out.getvalue()
+
+
+def cosine_lrs(total, first, last):
+    """The schedule a run of ``total`` steps would have, steps ``first`` to ``last``."""
+    from paraxis.engine.optim import WarmupCosine
+
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=5e-3)
+    schedule = WarmupCosine(sgd, warmup=3, total=total)
+    lrs = []
+    for step in range(last):
+        if step >= first:
+            lrs.append(schedule.lr)
+        schedule.step()
+    return lrs
+
+
+def test_a_resume_with_more_steps_keeps_the_schedule_unless_told_and_says_so(tmp_path,
+                                                                              worlds):
+    """Issue 32: extending train.steps on resume re-spread the cosine and the learning
+    rate jumped back up, silently. Now the checkpoint's horizon is kept (the rate goes on
+    down the 12-step cosine, then stays at its floor), or, with train.reschedule, the run
+    follows the 20-step schedule from step 6 on; one line says which."""
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    first, _ = worlds.run(1, lr_run, 12, str(ckpt), 6)[0]  # saved at step 6 of 12
+    assert first == cosine_lrs(12, 0, 6)
+    shutil.copytree(ckpt, tmp_path / "again", ignore=shutil.ignore_patterns(".paraxis.lock"))
+    kept, said = worlds.run(1, lr_run, 20, str(ckpt))[0]
+    assert kept == cosine_lrs(12, 6, 12) + [5e-3 * 0.1] * 8
+    assert kept[0] < first[-1]  # no jump: the rate goes on down
+    lines = [ln for ln in said.splitlines() if ln.startswith("lr schedule")]
+    assert lines == ["lr schedule: kept the checkpoint's horizon (warmup 3, cosine to step "
+                     f"12) though train.steps is 20: lr {kept[0]:.2e} at step 6; "
+                     "train.reschedule: true re-spreads it over 20"], said
+    spread, said = worlds.run(1, lr_run, 20, str(tmp_path / "again"), None, True)[0]
+    assert spread == cosine_lrs(20, 6, 20) and spread[0] > first[-1]
+    assert [ln for ln in said.splitlines() if ln.startswith("lr schedule")] == [
+        "lr schedule re-spread from step 6 over train.steps = 20 (the checkpoint's ran to "
+        f"12; train.reschedule: true): lr {kept[0]:.2e} -> {spread[0]:.2e}"], said
 
 
 def test_checkpoint_directory_format(tmp_path):

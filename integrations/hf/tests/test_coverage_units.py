@@ -159,7 +159,7 @@ def test_a_cell_fails_when_a_rank_holds_other_bytes_than_the_plan_gives():
     tensor = next(c for c in CHECKS if c.name == "tensor=2")
     ref = {"losses": [5.0], "norms": [9.0]}
     want = {"bytes": 500, "split": 800, "replicated": 150, "replicated_experts": 50,
-            "elsewhere": 0, "every_stage": 0, "per_name": {"head": 100, "mlp": 400}}
+            "elsewhere": 0, "every_stage": 0, "per_param": [(["head"], 100), (["mlp"], 400)]}
     held = {"head": 100, "mlp": 400}
     ok = [{**ref, "proof": {**_proof(sharded=7), "expected": want, "held": held}}] * 2
     cell = compare(ref, ok, tensor)
@@ -169,8 +169,79 @@ def test_a_cell_fails_when_a_rank_holds_other_bytes_than_the_plan_gives():
     skipped = [{**ref, "proof": {**_proof(sharded=7, bytes_=600, claimed=600),
                                  "expected": want, "held": {**held, "head": 200}}}] * 2
     cell = compare(ref, skipped, tensor)
-    assert cell.status == "fail" and "the plan and degree give 500" in cell.detail
+    assert cell.status == "fail" and "the plan gives 500" in cell.detail
     assert "head 200 (expected 100)" in cell.detail
+
+
+def _llama_share(degrees, **seat):
+    from paraxis import make_plugin_manager
+    from paraxis.parallel.model_plan import find_plan
+    from paraxis_hf.coverage import build_family, causal_lm_types
+    from paraxis_hf.coverage.families import build_model
+    from paraxis_hf.coverage.shares import expected_share, whole_layout
+
+    family = build_family("llama", causal_lm_types()["llama"])
+    model = build_model("llama", family.overrides)
+    plan = find_plan(model, make_plugin_manager(), None)
+    return expected_share(whole_layout(model), plan, degrees, **seat)
+
+
+def _names(share):
+    return {n for names, _ in share["per_param"] for n in names}
+
+
+def test_a_parameter_split_twice_fails_though_another_kept_whole_keeps_the_total():
+    """The proof compares each parameter, not the rank's total (issue 32): llama at
+    tensor=2 with one rank's gate_proj split twice (8,192 bytes instead of 16,384) and
+    its q_proj kept whole (16,384 instead of 8,192) holds the total the plan gives, and
+    fails naming both."""
+    from paraxis_hf.coverage.checks import compare
+
+    want = _llama_share({"tensor": 2})
+    held = {names[0]: b for names, b in want["per_param"]}
+    gate, query = "model.layers.0.mlp.gate_proj.weight", "model.layers.0.self_attn.q_proj.weight"
+    assert held[gate] == 2 * held[query]  # so the two errors cancel in the total
+    planted = {**held, gate: held[gate] // 2, query: held[query] * 2}
+    assert sum(planted.values()) == want["bytes"]
+    ref, tensor = {"losses": [5.0], "norms": [9.0]}, next(c for c in CHECKS if c.name == "tensor=2")
+    whole = 2 * want["bytes"]
+    ranks = [{**ref, "proof": {**_proof(sharded=7, bytes_=want["bytes"], claimed=want["bytes"],
+                                        whole=whole), "expected": want, "held": h}}
+             for h in (planted, held)]
+    cell = compare(ref, ranks, tensor)
+    assert cell.status == "fail", cell
+    assert "rank 0: 2 parameter(s)" in cell.detail and "the same total" in cell.detail
+    assert f"{gate} 8,192 (expected 16,384)" in cell.detail
+    assert f"{query} 16,384 (expected 8,192)" in cell.detail
+    ranks[0]["proof"]["held"] = held
+    assert compare(ref, ranks, tensor).status == "pass"
+
+
+def test_the_stage_cut_is_counted_from_the_layer_list_not_read_from_the_engine():
+    """The expected stages come from the whole model's layer list and the degrees
+    (issue 32: the proof read the engine's own ranges, so a wrong cut agreed with
+    itself). The count agrees with the pipeline axis' split wherever both are defined,
+    and a rank holding another cut than it fails by name."""
+    from paraxis.parallel.split import stage_ranges
+    from paraxis_hf.coverage.shares import expected_stage_ranges, parameters_off_share
+
+    for layers, stages in [(4, 2), (5, 2), (7, 3), (8, 4), (12, 5), (3, 3)]:
+        for hidden, vocab in [(64, 256), (16, 50_000), (0, 0)]:
+            assert expected_stage_ranges(layers, stages, hidden=hidden, vocab=vocab) == \
+                stage_ranges(layers, stages, hidden=hidden, vocab=vocab), (layers, stages)
+    assert expected_stage_ranges(4, 2, hidden=64, vocab=256, points=[1]) == [(0, 1), (1, 4)]
+    first = _llama_share({"pipeline": 2}, pipeline_rank=0)
+    last = _llama_share({"pipeline": 2}, pipeline_rank=1)
+    assert "model.layers.1.mlp.up_proj.weight" in _names(first) - _names(last)
+    assert {"lm_head.weight", "model.norm.weight"} <= _names(last) - _names(first)
+    assert "model.embed_tokens.weight" in _names(first) - _names(last)
+    # A stage 0 cut after layer 0 (the engine's ranges would say so, and agree).
+    held = {ns[0]: b for ns, b in first["per_param"] if not ns[0].startswith("model.layers.1.")}
+    wrong = parameters_off_share(held, first)
+    assert wrong and all("model.layers.1." in w and "missing" in w for w in wrong), wrong
+    extra = {**{ns[0]: b for ns, b in first["per_param"]}, "model.layers.2.mlp.up_proj.weight": 1}
+    assert parameters_off_share(extra, first) == [
+        "model.layers.2.mlp.up_proj.weight 1 (expected none: another stage holds it)"]
 
 
 @pytest.mark.parametrize(("model_type", "degrees", "split", "experts_whole"), [

@@ -62,10 +62,11 @@ def test_tiny_pipeline_matches_one_process(worlds, reference, options):
     assert_same_weights([s for _, s, _ in out], ref_shards, lr=LR, steps=STEPS)
 
 
-def summarize(_):
+def summarize(schedule="1f1b"):
     """The run's end as the trainer asks for it: the axes' ``paraxis_summarize_run``."""
     torch.manual_seed(0)
     engine = paraxis.parallelize(TinyTransformer(CFG), pipeline=2, microbatches=4,
+                                 pipeline_schedule=schedule,
                                  train={"steps": 2, "lr": LR, "seq_length": CFG.seq_length})
     engine.train_step(torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_length)))
     reports = [r for r in paraxis.make_plugin_manager().hook.paraxis_summarize_run(
@@ -78,10 +79,34 @@ def test_the_run_summary_has_the_measured_timeline(worlds):
     """pp-schedules' ``paraxis_summarize_run`` gives the trainer the last step's measured
     timeline (an SVG with a row per stage) and its bubble against theory, on every
     stage (the hook is collective over the pipeline group)."""
-    for reports in worlds.run(2, summarize, None):
+    for reports in worlds.run(2, summarize, "1f1b"):
         ((figures, text),) = reports
         ((name, svg),) = figures
         assert name == "pipeline_timeline" and svg.lstrip().startswith("<svg")
         assert "stage 0" in text[0] and "stage 1" in text[0]
         assert text[0].startswith("pipeline 1f1b: measured bubble 0.")
         assert "theory 0.200 (p=2, m=4, v=1)" in text[0]
+
+
+def _stage_columns(line):
+    """{stage: {column: ms}} from the summary line's "stage r: F 1.2 ms, ..." parts."""
+    out = {}
+    for part in line.split("; ")[1:]:
+        stage, cols = part.split(": ")
+        out[stage] = {c.rsplit(" ", 2)[0]: float(c.rsplit(" ", 2)[1]) for c in cols.split(", ")}
+    return out
+
+
+@pytest.mark.parametrize(("schedule", "columns"), [
+    # One backward pass computes both gradients: no W column anywhere.
+    ("1f1b", {"stage 0": {"F", "B+W", "idle"}, "stage 1": {"F", "B+W", "idle"}}),
+    # Split: stage 0 has no input gradient and runs its whole backward at W; it printed
+    # "B 0 ms" (issue 32). The last stage measures B and W apart.
+    ("zero_bubble_h1", {"stage 0": {"F", "B+W", "idle"}, "stage 1": {"F", "B", "W", "idle"}}),
+])
+def test_the_stage_times_name_only_passes_that_were_measured(worlds, schedule, columns):
+    (((_, (line,)),), _) = worlds.run(2, summarize, schedule)
+    measured = _stage_columns(line)
+    assert {s: set(c) for s, c in measured.items()} == columns, line
+    for stage, cols in measured.items():
+        assert all(ms > 0 for k, ms in cols.items() if k != "idle"), (stage, line)

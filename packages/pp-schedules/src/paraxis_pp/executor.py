@@ -189,7 +189,8 @@ class PipelineRunner:
             outs += self._backward_aux(key, stage, st)
         start = time.perf_counter()
         x_grad = self._backward(key, outs, grad, st, stage)
-        self._record(a, start)
+        if stage > 0 or not self.schedule.split_backward:  # stage 0's split B does nothing
+            self._record(a, start)  # (its whole backward runs at W): no B to measure
         if stage > 0:
             st.sends += self._send(x_grad, stage - 1, "B", a.mb, stage)
         if st.carrying:
@@ -280,13 +281,10 @@ class PipelineRunner:
         """(SVG picture, one-line summary) of this step's measured timeline, with the
         measured bubble against theory. Collective over the pipeline group."""
         from paraxis_pp.simulate import theoretical_bubble
-        from paraxis_pp.timeline import render_svg
+        from paraxis_pp.timeline import render_svg, stage_times
 
         t = self.measured()
-        stages = "; ".join(
-            f"stage {r}: F {st['forward'] * 1e3:.0f} ms, B {st['backward'] * 1e3:.0f} ms, "
-            f"W {st['weight'] * 1e3:.0f} ms, idle {st['idle'] * 1e3:.0f} ms"
-            for r, st in enumerate(t.per_stage()))
+        stages = "; ".join(stage_times(t, self.schedule))
         line = (f"pipeline {self.schedule.name}: measured bubble {t.bubble:.3f}, theory "
                 f"{theoretical_bubble(self.schedule):.3f} (p={self.schedule.ranks}, "
                 f"m={self.schedule.microbatches}, v={self.schedule.chunks}); {stages}")

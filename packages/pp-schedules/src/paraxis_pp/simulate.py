@@ -33,18 +33,6 @@ class Timeline:
     def busy(self, rank: int) -> float:
         return sum(e - s for _, s, e in self.entries[rank])
 
-    def per_stage(self) -> list[dict[str, float]]:
-        """Per rank: seconds (or cost units) of forward, backward, weight-gradient work
-        and idle time within the makespan."""
-        out = []
-        for r, row in enumerate(self.entries):
-            stats = {"forward": 0.0, "backward": 0.0, "weight": 0.0}
-            for a, s, e in row:
-                stats[{"F": "forward", "B": "backward", "W": "weight"}[a.kind]] += e - s
-            stats["idle"] = self.makespan - self.busy(r)
-            out.append(stats)
-        return out
-
     @property
     def bubble(self) -> float:
         """Idle share of ranks x makespan: 1 - busy / (ranks x makespan)."""

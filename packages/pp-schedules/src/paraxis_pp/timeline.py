@@ -1,13 +1,14 @@
 """Pictures of a timeline: stages by time, F / B / W cells, idle time left blank (SVG),
-and a text table like the seed's."""
+a text table like the seed's, and each stage's measured times in words."""
 
 from __future__ import annotations
 
 from html import escape
 
+from paraxis_pp.schedules import Schedule
 from paraxis_pp.simulate import Timeline
 
-__all__ = ["render_svg", "render_text"]
+__all__ = ["render_svg", "render_text", "stage_times"]
 
 COLORS = {"F": "#4C78A8", "B": "#59A14F", "W": "#F28E2B"}
 
@@ -53,3 +54,25 @@ def render_text(t: Timeline, *, unit: float | None = None) -> str:
                 cells[min(c, cols - 1)] = f"{a.kind}{a.mb}"
         lines.append(f"stage {r}: " + " ".join(c.ljust(3) for c in cells))
     return "\n".join(lines)
+
+
+def stage_times(t: Timeline, schedule: Schedule) -> list[str]:
+    """Each rank's time in forward, backward and idle, naming only the passes that ran
+    apart: ``B+W`` is a whole backward (every stage of a schedule that does not split
+    it; the first stage of one that does, which has no input gradient to send and runs
+    its whole backward at W, recording no B), ``B`` the input-gradient and ``W`` the
+    weight-gradient pass of a split backward. A column never stands for a pass that was
+    not measured (issue 32: stage 0 printed "B 0 ms")."""
+    out = []
+    for r, row in enumerate(t.entries):
+        sums: dict[str, float] = {}
+        for a, s, e in row:
+            whole = not schedule.split_backward or schedule.stage(r, a.chunk) == 0
+            label = "B+W" if a.kind != "F" and whole else a.kind
+            sums[label] = sums.get(label, 0.0) + e - s
+        cols = [f"{k} {sums[k] * 1e3:.3g} ms" for k in ("F", "B", "W", "B+W") if k in sums]
+        cols.append(f"idle {(t.makespan - t.busy(r)) * 1e3:.3g} ms")
+        held = [schedule.stage(r, c) for c in range(schedule.chunks)]
+        name = f"stage {r}" if len(held) == 1 else f"rank {r} (stages {', '.join(map(str, held))})"
+        out.append(f"{name}: {', '.join(cols)}")
+    return out

@@ -189,11 +189,12 @@ def shard_proof(engine: Any, whole: int, layout: dict[str, Any] | None = None
     (:func:`paraxis_hf.coverage.shares.expected_share`)."""
     from paraxis.parallel.placement import placement_of
     from paraxis.parallel.stages import Absent, SkipLayer
+    from paraxis_hf.coverage.shares import expected_on_rank
 
     params = list({id(p): p for p in engine.model.parameters()}.values())
     records = [placement_of(p) for p in params]
     kept = engine.plan.extra.get("experts_kept_whole", ())
-    return {"expected": _expected(engine, layout), "held": {
+    return {"expected": expected_on_rank(engine, layout), "held": {
         n: p.numel() * p.element_size() for n, p in engine.model.named_parameters()},
         "sharded": {a: sum(a in r.sharded_axes for r in records) for a in SHARDING},
         "handed_over": sum(isinstance(m, SkipLayer | Absent) for m in engine.model.modules()),
@@ -206,20 +207,6 @@ def shard_proof(engine: Any, whole: int, layout: dict[str, Any] | None = None
         "experts_sharded_over_tensor": sum({"expert", "tensor"} <= set(r.sharded_axes)
                                            for r in records),
     }
-
-
-def _expected(engine: Any, layout: dict[str, Any] | None) -> dict[str, Any] | None:
-    from paraxis.parallel.stages import StageSpec
-    from paraxis_hf.coverage.shares import expected_share
-
-    if layout is None:
-        return None
-    degrees = {a: engine.grid.size(a) for a in ("tensor", "expert", "pipeline")}
-    degrees["expert_tensor"] = engine.config.parallelism.expert_tensor
-    stages = spec = None
-    if degrees["pipeline"] > 1:
-        stages, spec = engine.ctx.pipeline, StageSpec.from_plan(engine.model, engine.plan)
-    return expected_share(layout, engine.plan, degrees, stages, spec)
 
 
 def _own_losses(model: Any, ids: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:

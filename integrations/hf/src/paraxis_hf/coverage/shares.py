@@ -14,14 +14,22 @@ whole model is given the bytes the layout should leave on the rank:
   among it (each expert whole over tensor, unless ``expert_tensor`` splits it);
 * expert ``e``: the tensors of the plan's expert blocks' ``experts`` hold 1/e, and
   1/``expert_tensor`` of that (each expert's FFN split over the tensor group);
-* pipeline: a stage holds its layers, the embedding and the modules before the layers
-  if it is the first, the head and the modules after them if it is the last, and
-  everything else (held by every stage).
+* pipeline: a stage holds its layers, the modules the pipeline plan names before the
+  layer list if it is the first, those after it (final norm, head) if it is the last,
+  and everything else (held by every stage). Which layers a stage holds is counted here
+  from the whole model's layer list and the degrees (:func:`expected_stage_ranges`),
+  never read from the engine's cut (``ctx.pipeline``, ``StageSpec``): a cut that put the
+  wrong layers on a stage would otherwise agree with itself (issue 32).
+
+The proof compares each parameter on each rank with its expected bytes, not the rank's
+total: a parameter split twice and another kept whole can leave the total as the plan
+gives it (issue 32; ``test_coverage_units`` plants exactly that).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import math
 from typing import Any
 
@@ -29,7 +37,8 @@ from torch import nn
 
 from paraxis_hf.coverage.checks import SHARDING, Check, Outcome
 
-__all__ = ["expected_share", "proven", "whole_layout"]
+__all__ = ["expected_on_rank", "expected_share", "expected_stage_ranges",
+           "parameters_off_share", "proven", "whole_layout"]
 
 # transformers' tensor styles that split a parameter, by the dimension they split
 # (counted from the end: a column split cuts the output features, a row split the input).
@@ -40,8 +49,12 @@ _PADDED = {"colwise_gather_output", "embedding_rowwise"}
 
 
 def whole_layout(model: nn.Module) -> dict[str, Any]:
-    """The whole model's parameters (every name of each, tied ones included) and the
-    kind of each module that holds one, taken before ``parallelize`` changes it."""
+    """The whole model's parameters (every name of each, tied ones included), the kind
+    of each module that holds one, the length of each module list and the sizes the
+    stage cut weighs the head by, taken before ``parallelize`` changes it."""
+    from paraxis.config.shape import config_size
+
+    config = getattr(model, "config", None)
     names: dict[int, list[str]] = {}
     params: dict[int, nn.Parameter] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -50,8 +63,11 @@ def whole_layout(model: nn.Module) -> dict[str, Any]:
     kinds = {n: ("linear" if isinstance(m, nn.Linear) else
                  "embedding" if isinstance(m, nn.Embedding) else "")
              for n, m in model.named_modules()}
+    sizes = {s: config_size(config, s) for s in ("hidden_size", "vocab_size")}
     return {"params": [(names[k], tuple(p.shape), p.element_size())
-                       for k, p in params.items()], "kinds": kinds}
+                       for k, p in params.items()], "kinds": kinds,
+            "lists": {n: len(m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList)},
+            **{s: v if isinstance(v, int) else 0 for s, v in sizes.items()}}
 
 
 def _style(patterns: dict[str, str], name: str) -> str | None:
@@ -84,45 +100,122 @@ def _under(name: str, prefixes: list[str]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
-def _stage_holds(names: list[str], spec: Any, stages: Any) -> bool | None:
-    """Whether the stages a rank holds (``ctx.pipeline``, cut by the
-    :class:`~paraxis.parallel.stages.StageSpec` ``spec``) hold a parameter, by its names;
-    None for one outside the cut, which every stage holds."""
-    held, last = stages.stages, len(stages.ranges) - 1
+def expected_stage_ranges(num_layers: int, stages: int, *, hidden: int, vocab: int,
+                          points: list[int] | None = None) -> list[tuple[int, int]]:
+    """Each stage's layers ``[a, b)`` as the pipeline axis' contract states them
+    (:mod:`paraxis.parallel.split`'s docstring), counted here by trying every cut rather
+    than by its dynamic program: explicit ``points`` as given; else consecutive,
+    non-empty ranges whose costliest stage is least, a layer costing 1, the head
+    ``vocab / (12 x hidden)`` on the last stage (2·h·V against 24·h² FLOPs per token,
+    Narayanan et al., arXiv:2104.04473) and a tenth of it for the embedding on the
+    first. Among equally costly cuts, each stage is as short as the stages after it
+    allow while they too keep their costliest stage least. Every cut is tried: for the
+    matrix's tiny models (a few layers), not for a 100-layer model."""
+    if points:
+        bounds = [0, *points, num_layers]
+        return list(itertools.pairwise(bounds))
+    if not 1 <= stages <= num_layers:
+        raise ValueError(f"{num_layers} layers cannot fill {stages} stages")
+    head = vocab / (12 * hidden) if hidden else 0.0
+    extra = [0.0] * stages
+    extra[0] += 0.1 * head
+    extra[-1] += head
+    if math.comb(num_layers - 1, stages - 1) > 1_000_000:
+        raise ValueError(f"{num_layers} layers over {stages} stages: too many cuts to try "
+                         "(this count is for the coverage matrix's tiny models)")
+
+    def order(cuts: tuple[int, ...]) -> tuple[float, ...]:
+        bounds = (0, *cuts, num_layers)
+        costs = [b - a + extra[s] for s, (a, b) in enumerate(itertools.pairwise(bounds))]
+        return tuple(x for s in range(stages) for x in (max(costs[s:]), bounds[s + 1]))
+
+    cuts = min(itertools.combinations(range(1, num_layers), stages - 1), key=order)
+    return list(itertools.pairwise((0, *cuts, num_layers)))
+
+
+def _stage_cut(layout: dict[str, Any], plan: Any, degrees: dict[str, int],
+               pipeline_rank: int, points: list[int] | None) -> dict[str, Any]:
+    """What a pipeline rank holds, from the whole model and the degrees: the plan's
+    first module list is the layer list, its entries before it go to the first stage,
+    those after it to the last; rank ``r`` of ``p`` holds global stages ``r, r + p, ...``
+    (one per virtual stage: Megatron's interleaving, arXiv:2104.04473 section 2.2)."""
+    names = list(plan.pipeline)
+    layers = next((n for n in names if n in layout["lists"]), None)
+    if layers is None:
+        raise ValueError(f"{plan.model_class}: no entry of the pipeline plan {names} is a "
+                         "module list of the whole model")
+    p = degrees["pipeline"]
+    stages = p * degrees.get("virtual_stages", 1)
+    ranges = expected_stage_ranges(layout["lists"][layers], stages,
+                                   hidden=layout.get("hidden_size", 0),
+                                   vocab=layout.get("vocab_size", 0), points=points)
+    held = [s for s in range(stages) if s % p == pipeline_rank]
+    at = names.index(layers)
+    return {"layers": layers, "before": names[:at], "after": names[at + 1:],
+            "ranges": [ranges[s] for s in held], "first": 0 in held,
+            "last": stages - 1 in held}
+
+
+def _stage_holds(names: list[str], cut: dict[str, Any]) -> bool | None:
+    """Whether a rank's stages (``cut``, from :func:`_stage_cut`) hold a parameter, by
+    its names; None for one outside the cut, which every stage holds."""
     for name in names:
-        if _under(name, [spec.layers]):
-            index = int(name[len(spec.layers) + 1:].split(".")[0])
-            if any(a <= index < b for a, b in (stages.ranges[s] for s in held)):
+        if _under(name, [cut["layers"]]):
+            index = int(name[len(cut["layers"]) + 1:].split(".")[0])
+            if any(a <= index < b for a, b in cut["ranges"]):
                 return True
             continue
-        if _under(name, [n for n in [spec.embedding, *spec.before] if n]):
-            if 0 in held:
+        if _under(name, cut["before"]):
+            if cut["first"]:
                 return True
             continue
-        if _under(name, [n for n in [spec.head, *spec.after] if n]):
-            if last in held:
+        if _under(name, cut["after"]):
+            if cut["last"]:
                 return True
             continue
         return None  # outside the stages' cut: every stage keeps it
     return False
 
 
-def expected_share(layout: dict[str, Any], plan: Any, degrees: dict[str, int],
-                   stages: Any = None, spec: Any = None) -> dict[str, Any]:
-    """The bytes this rank should hold, split into what the layout divides (``split``),
-    what it leaves whole on the rank (``replicated``, experts apart) and the bytes the
-    stage does not hold (``elsewhere``)."""
+def expected_on_rank(engine: Any, layout: dict[str, Any] | None) -> dict[str, Any] | None:
+    """:func:`expected_share` for this rank of ``engine``: the degrees and the rank's
+    pipeline coordinate from its grid and config, nothing from what the axes built."""
+    if layout is None:
+        return None
+    degrees = {a: engine.grid.size(a) for a in ("tensor", "expert", "pipeline")}
+    degrees["expert_tensor"] = engine.config.parallelism.expert_tensor
+    schedule = engine.config.schedule
+    degrees["virtual_stages"] = schedule.virtual_stages
+    return expected_share(layout, engine.plan, degrees,
+                          pipeline_rank=engine.grid.coords.get("pipeline", 0),
+                          points=schedule.pipeline_split)
+
+
+def expected_share(layout: dict[str, Any], plan: Any, degrees: dict[str, int], *,
+                   pipeline_rank: int = 0, points: list[int] | None = None
+                   ) -> dict[str, Any]:
+    """The bytes this rank should hold: in all (``bytes``) and per parameter
+    (``per_param``: every name of a parameter with its bytes here, for each parameter
+    the rank holds; ``elsewhere_names``: the names of those another stage holds), split
+    into what the layout divides (``split``), what it leaves whole on the rank
+    (``replicated``, experts apart) and the bytes the stage does not hold
+    (``elsewhere``). With ``degrees["pipeline"]`` above 1, ``pipeline_rank`` is the
+    rank's pipeline coordinate and ``points`` the config's explicit split."""
     t, e = degrees.get("tensor", 1), degrees.get("expert", 1)
     etp = degrees.get("expert_tensor", 1)
     experts = [f"{block}.experts" for block in plan.experts]
-    out = {"bytes": 0, "split": 0, "split_experts": 0, "replicated": 0, "replicated_experts": 0,
-           "elsewhere": 0, "every_stage": 0, "per_name": {}}
+    cut = (_stage_cut(layout, plan, degrees, pipeline_rank, points)
+           if degrees.get("pipeline", 1) > 1 else None)
+    out: dict[str, Any] = {"bytes": 0, "split": 0, "split_experts": 0, "replicated": 0,
+                           "replicated_experts": 0, "elsewhere": 0, "every_stage": 0,
+                           "per_param": [], "elsewhere_names": []}
     for names, shape, size in layout["params"]:
         whole = math.prod(shape) * size
-        if stages is not None:
-            holds = _stage_holds(names, spec, stages)
+        if cut is not None:
+            holds = _stage_holds(names, cut)
             if holds is False:
                 out["elsewhere"] += whole
+                out["elsewhere_names"] += names
                 continue
             if holds is None:
                 out["every_stage"] += whole
@@ -133,7 +226,7 @@ def expected_share(layout: dict[str, Any], plan: Any, degrees: dict[str, int],
             numel //= e * etp
         held = numel * size
         out["bytes"] += held
-        out["per_name"][names[0]] = held
+        out["per_param"].append((list(names), held))
         if held < whole:
             out["split"] += whole
             out["split_experts"] += whole if is_expert else 0
@@ -142,6 +235,29 @@ def expected_share(layout: dict[str, Any], plan: Any, degrees: dict[str, int],
         else:
             out["replicated"] += whole
     return out
+
+
+def parameters_off_share(held: dict[str, int], want: dict[str, Any]) -> list[str]:
+    """Each parameter a rank holds other than ``want`` (:func:`expected_share`) gives
+    it, in words: other bytes than expected, missing, or held where another stage (or
+    no parameter of the whole model) should be. ``held``: bytes by the names the
+    parallel model's ``named_parameters()`` gives (a tied parameter under one of its
+    names)."""
+    wrong, matched = [], set()
+    for names, expected in want["per_param"]:
+        name = next((n for n in names if n in held), None)
+        if name is None:
+            wrong.append(f"{names[0]} missing (expected {expected:,})")
+            continue
+        matched.add(name)
+        if held[name] != expected:
+            wrong.append(f"{name} {held[name]:,} (expected {expected:,})")
+    elsewhere = set(want.get("elsewhere_names", ()))
+    for name in held.keys() - matched:
+        where = "another stage holds it" if name in elsewhere else "not a parameter of " \
+            "the whole model"
+        wrong.append(f"{name} {held[name]:,} (expected none: {where})")
+    return wrong
 
 
 def proven(check: Check | None, results: list[dict[str, Any]]) -> Outcome:
@@ -161,8 +277,9 @@ def proven(check: Check | None, results: list[dict[str, Any]]) -> Outcome:
             return Outcome("fail", f"rank {rank} holds {p['bytes']:,} parameter bytes, its "
                            f"placements claim {p['claimed']:,}")
         want = p.get("expected")
-        if want is not None and p["bytes"] != want["bytes"]:
-            return Outcome("fail", _unexpected(rank, p, want, axis))
+        wrong = [] if want is None else parameters_off_share(p["held"], want)
+        if wrong:
+            return Outcome("fail", _unexpected(rank, p, want, axis, wrong))
     p = proofs[0]
     moved = (f"{p['sharded'][axis]} parameters sharded" if axis != "pipeline" else
              f"{p['handed_over']} modules handed to the other stage")
@@ -192,11 +309,14 @@ def _share_words(want: dict[str, Any], whole: int, axis: str, check: Check) -> s
     return words + ")"
 
 
-def _unexpected(rank: int, p: dict[str, Any], want: dict[str, Any], axis: str) -> str:
-    """A rank holding other bytes than the plan and degree give, naming the parameters."""
-    wrong = [f"{n} {p['held'][n]:,} (expected {b:,})" for n, b in want["per_name"].items()
-             if n in p["held"] and p["held"][n] != b][:3]
-    return (f"rank {rank} holds {p['bytes']:,} parameter bytes over {axis}, the plan and "
-            f"degree give {want['bytes']:,} ({p['bytes'] / p['whole']:.2f} of the model "
-            f"against {want['bytes'] / p['whole']:.2f})"
-            + (f": {'; '.join(wrong)}" if wrong else ""))
+def _unexpected(rank: int, p: dict[str, Any], want: dict[str, Any], axis: str,
+                wrong: list[str]) -> str:
+    """A rank holding parameters other than the plan and degree give, naming them; the
+    totals too, which may agree (per-parameter errors can cancel)."""
+    totals = ("the same total" if p["bytes"] == want["bytes"] else
+              f"{p['bytes'] / p['whole']:.2f} of the model against "
+              f"{want['bytes'] / p['whole']:.2f}")
+    return (f"rank {rank}: {len(wrong)} parameter(s) held other than the plan and degree "
+            f"give over {axis} (the rank holds {p['bytes']:,} parameter bytes, the plan "
+            f"gives {want['bytes']:,}: {totals}): {'; '.join(wrong[:3])}"
+            + (f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""))

@@ -80,6 +80,10 @@ class TrainSection(_Section):
     checkpoint_every: NonNegativeInt = 0  # 0: only at the end
     checkpoint_dir: str | None = None  # None: no checkpoints
     resume: bool = True  # continue from checkpoint_dir/latest when it exists
+    # On resume with another `steps` (or warmup_steps): false keeps the checkpoint's lr
+    # schedule (no jump); true re-spreads the cosine over the new `steps`, as a run with
+    # them from the start would have it. Either way one line says what it does.
+    reschedule: bool = False
     # Stop after this many steps of this run (saving a checkpoint), as Megatron's
     # --exit-interval: lets a job fit a time slot; the schedule still spans `steps`.
     exit_after_steps: PositiveInt | None = None

@@ -165,7 +165,7 @@ def parallelize(
     if optimizer is None:
         optimizer = build_optimizer(model, ctx, train_cfg)
     scheduler = WarmupCosine(optimizer, warmup=train_cfg.warmup_steps, total=train_cfg.steps,
-                             min_ratio=train_cfg.min_lr_ratio)
+                             min_ratio=train_cfg.min_lr_ratio, reschedule=train_cfg.reschedule)
     engine = Engine(model, grid=grid, config=config, ctx=ctx, optimizer=optimizer,
                     scheduler=scheduler, train=train_cfg, plan=model_plan, device=device,
                     model_shape=model_shape)

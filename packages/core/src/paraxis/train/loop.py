@@ -105,6 +105,9 @@ def start(cfg: RunConfig, history: list[dict[str, float]]) -> Run:
               tokenizer.separator if cfg.data.document_masking else None)
     if run.logging:
         pm.hook.paraxis_log_start(config=cfg, grid=engine.grid.describe())
+        note = getattr(engine.scheduler, "resume_note", None)  # another train.steps
+        if note:
+            print(note, flush=True)
     return run
 
 
