@@ -188,7 +188,7 @@ def shard_proof(engine: Any, whole: int, layout: dict[str, Any] | None = None
     whole model's ``layout``) the bytes the plan and the degrees say it should hold
     (:func:`paraxis_hf.coverage.shares.expected_share`)."""
     from paraxis.parallel.placement import placement_of
-    from paraxis.parallel.stages import Absent, SkipLayer
+    from paraxis.parallel.standins import Absent, SkipLayer
 
     params = list({id(p): p for p in engine.model.parameters()}.values())
     records = [placement_of(p) for p in params]
@@ -209,7 +209,6 @@ def shard_proof(engine: Any, whole: int, layout: dict[str, Any] | None = None
 
 
 def _expected(engine: Any, layout: dict[str, Any] | None) -> dict[str, Any] | None:
-    from paraxis.parallel.stages import StageSpec
     from paraxis_hf.coverage.shares import expected_share
 
     if layout is None:
@@ -218,7 +217,7 @@ def _expected(engine: Any, layout: dict[str, Any] | None) -> dict[str, Any] | No
     degrees["expert_tensor"] = engine.config.parallelism.expert_tensor
     stages = spec = None
     if degrees["pipeline"] > 1:
-        stages, spec = engine.ctx.pipeline, StageSpec.from_plan(engine.model, engine.plan)
+        stages, spec = engine.ctx.pipeline, engine.ctx.anatomy
     return expected_share(layout, engine.plan, degrees, stages, spec)
 
 
