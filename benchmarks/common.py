@@ -78,6 +78,19 @@ def build_llama(args: argparse.Namespace) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(cfg)
 
 
+def build_mixtral(args: argparse.Namespace) -> torch.nn.Module:
+    """The MoE benchmarks' Mixtral, from config (8 heads, 4 kv heads, byte vocabulary)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(
+        "mixtral", hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+        num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
+        vocab_size=256, num_local_experts=args.experts, num_experts_per_tok=args.top_k,
+        max_position_embeddings=args.seq)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
 def alternate(variants: dict[str, Callable[[], float | None]], *, steps: int,
               warmup: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Step every variant in turn for ``warmup + steps`` rounds, rotating who goes first

@@ -21,8 +21,16 @@ import os
 
 import torch
 import torch.distributed as dist
-from common import machine, median, ratio_line, round_args, rounds, summary, write_section
-from moe_vs_peer import build_mixtral
+from common import (
+    build_mixtral,
+    machine,
+    median,
+    ratio_line,
+    round_args,
+    rounds,
+    summary,
+    write_section,
+)
 
 import paraxis
 from paraxis import shutdown

@@ -11,8 +11,15 @@ import os
 
 import torch
 import torch.distributed as dist
-from common import machine, median, ratio_line, rounds, summary, write_section
-from moe_vs_peer import build_mixtral
+from common import (
+    build_mixtral,
+    machine,
+    median,
+    ratio_line,
+    rounds,
+    summary,
+    write_section,
+)
 from torch.distributed.tensor import DTensor
 
 import paraxis

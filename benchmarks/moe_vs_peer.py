@@ -61,7 +61,17 @@ import os
 
 import torch
 import torch.distributed as dist
-from common import machine, median, ratio_line, round_args, rounds, summary, write_section
+from common import (
+    build_mixtral,
+    machine,
+    median,
+    ratio_line,
+    round_args,
+    rounds,
+    summary,
+    write_section,
+)
+from moe_peer_tp import main_tp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -82,18 +92,6 @@ def parse() -> argparse.Namespace:
     p.add_argument("--chunks", type=int, nargs="+", default=[1],
                    help="paraxis moe.dispatch_chunks values to run (--tensor 2 only)")
     return p.parse_args()
-
-
-def build_mixtral(args: argparse.Namespace) -> torch.nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    cfg = AutoConfig.for_model(
-        "mixtral", hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-        num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
-        vocab_size=256, num_local_experts=args.experts, num_experts_per_tok=args.top_k,
-        max_position_embeddings=args.seq)
-    return AutoModelForCausalLM.from_config(cfg)
 
 
 def transformers_ep(args: argparse.Namespace, world: int):
@@ -145,8 +143,6 @@ def main() -> None:
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     if args.tensor > 1:
-        from moe_peer_tp import main_tp
-
         main_tp(args, world)
         return
     engine = paraxis.parallelize(build_mixtral(args), expert=world, verify=False,

@@ -36,10 +36,11 @@ class Order:
     seen: ClassVar[list[str]] = []
 
 
-def _strategy(axis_name, phase_value):
+def _strategy(axis_name, phase_value, place=0):
     class S(Strategy):
         axis = axis_name
         phase = phase_value
+        order = place
 
         def apply(self, model, ctx):
             Order.seen.append(self.axis)
@@ -67,6 +68,46 @@ def test_strategies_apply_in_phase_order_not_registration_order():
     Order.seen = []
     apply_strategies(nn.Linear(2, 2), ApplyContext(grid=None, config=cfg), strategies)
     assert Order.seen == ["pipeline", "tensor", "data"]
+
+
+def test_within_a_phase_the_declared_order_decides_and_must_be_stated():
+    """Context, expert and tensor share the PARTITION phase: their order is each one's
+    declared ``order``, not their names' (alphabetical order decided it before); two
+    equal orders in one phase are refused rather than left to chance."""
+    cfg = ParallelConfig.from_kwargs(tensor=2, expert=2, context=2)
+
+    class Partition:
+        @hookspecs.hookimpl
+        def paraxis_register_strategies(self, register):
+            register(_strategy("tensor", Phase.PARTITION, 1))
+            register(_strategy("expert", Phase.PARTITION, 3))
+            register(_strategy("context", Phase.PARTITION, 2))
+            register(_strategy("data", Phase.DATA))  # expert x context hold distinct tokens
+
+    pm = make_plugin_manager(load_entrypoints=False, builtins=False, plugins=(Partition(),))
+    assert [s.axis for s in resolve_strategies(cfg, pm)] == [
+        "tensor", "context", "expert", "data"]
+
+    class Tied:
+        @hookspecs.hookimpl
+        def paraxis_register_strategies(self, register):
+            register(_strategy("tensor", Phase.PARTITION, 1))
+            register(_strategy("expert", Phase.PARTITION, 1))
+            register(_strategy("context", Phase.PARTITION, 2))
+            register(_strategy("data", Phase.DATA))
+
+    pm = make_plugin_manager(load_entrypoints=False, builtins=False, plugins=(Tied(),))
+    with pytest.raises(ValueError, match="both declare order 1 in phase PARTITION"):
+        resolve_strategies(cfg, pm)
+
+
+def test_the_installed_axes_declare_their_place():
+    """The order docs/architecture.md states: context, expert, tensor."""
+    installed = collect_strategies(make_plugin_manager())
+    partition = sorted((cls for cls in installed.values() if cls.phase == Phase.PARTITION),
+                       key=lambda cls: cls.order)
+    assert [cls.axis for cls in partition if cls.axis in ("context", "expert", "tensor")] == [
+        a for a in ("context", "expert", "tensor") if a in installed]
 
 
 def test_missing_axis_names_the_pip_command():

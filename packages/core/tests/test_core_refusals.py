@@ -11,9 +11,10 @@ import paraxis
 from paraxis import ModelPlan, Phase, PlanError, Strategy
 from paraxis.engine.plugins import make_plugin_manager
 from paraxis.models.tiny import TINY_PLAN, TinyCalls, TinyConfig, TinyTransformer
+from paraxis.parallel.anatomy import find_anatomy
 from paraxis.parallel.hookspecs import hookimpl
 from paraxis.parallel.numerics import REDUCTION_RTOL
-from paraxis.parallel.stages import StageParityError, StageSpec, check_stages
+from paraxis.parallel.stages import StageParityError, check_stages
 
 CFG = TinyConfig(vocab_size=32, hidden_size=16, num_layers=4, num_heads=2,
                  intermediate_size=32, seq_length=16)
@@ -50,9 +51,9 @@ class ScalesInForward(TinyTransformer):
 def test_stages_that_do_not_reproduce_the_model_are_refused():
     torch.manual_seed(0)
     good = TinyTransformer(CFG)
-    spec = StageSpec.from_plan(good, TINY_PLAN)
-    assert (spec.layers, spec.embedding, spec.after, spec.head) == (
-        "layers", "embed", ("norm",), "head")
+    spec = find_anatomy(good, TINY_PLAN)
+    assert (spec.layers, spec.embedding, spec.after, spec.head, spec.origin) == (
+        "layers", "embed", ("norm",), "head", "plan")
     ranges = [(0, 2), (2, 4)]
     check_stages(good, spec, ranges, TinyCalls(), vocab=CFG.vocab_size, rtol=REDUCTION_RTOL)
     for kind, says in [(ScalesInForward, "do not reproduce the model's own logits"),

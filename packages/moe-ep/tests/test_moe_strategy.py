@@ -1,5 +1,5 @@
 """The strategy against core's ApplyContext contract (aux_losses with its carry,
-step_hooks, skip_verify, plan.experts, Strategy.check_model), on a group of one rank:
+step_hooks, skip_verify, the anatomy's expert blocks, Strategy.check_model), on a group of one rank:
 no engine and no processes."""
 
 from types import SimpleNamespace
@@ -10,6 +10,7 @@ from torch import nn
 
 from paraxis import ParallelConfig
 from paraxis.engine.plugins import collect_strategies, make_plugin_manager
+from paraxis.parallel.anatomy import find_anatomy
 from paraxis.parallel.aux_losses import AuxLosses
 from paraxis.parallel.model_plan import ModelPlan
 from paraxis.parallel.strategy import Phase
@@ -26,10 +27,11 @@ class OneRankGrid:
         return AxisGroup(tuple([axes] if isinstance(axes, str) else axes), (0,), 0)
 
 
-def _ctx(**moe):
+def _ctx(model, plan=PLAN, **moe):
     return SimpleNamespace(grid=OneRankGrid(), config=ParallelConfig.from_kwargs(moe=moe),
-                           plan=PLAN, aux_losses=AuxLosses(), step_hooks=[], extras={},
-                           pipeline=None, skip_verify=None)
+                           plan=plan, anatomy=find_anatomy(model, plan),
+                           aux_losses=AuxLosses(), step_hooks=[], extras={}, pipeline=None,
+                           skip_verify=None)
 
 
 def test_registered_for_the_expert_axis_in_partition_phase():
@@ -43,7 +45,7 @@ def test_apply_declares_losses_carries_parts_and_reports_metrics():
     from moe_tiny_models import build
 
     model = build("mixtral", layers=2)
-    ctx = _ctx(z_loss_coef=1e-3)
+    ctx = _ctx(model, z_loss_coef=1e-3)
     assert ExpertParallelStrategy().apply(model, ctx) is model
     assert ctx.aux_losses.names == [AUX_LOSS, Z_LOSS]
     assert ctx.aux_losses.carry_size == 4 + 1  # the router counts and the row count
@@ -73,8 +75,9 @@ def test_a_capacity_factor_skips_the_parity_probe_with_the_reason():
     pytest.importorskip("transformers")
     from moe_tiny_models import build
 
-    ctx = _ctx(capacity_factor=1.25)
-    ExpertParallelStrategy().apply(build("mixtral"), ctx)
+    model = build("mixtral")
+    ctx = _ctx(model, capacity_factor=1.25)
+    ExpertParallelStrategy().apply(model, ctx)
     assert "capacity_factor=1.25" in ctx.skip_verify
 
 
@@ -90,14 +93,14 @@ class ListExperts(nn.Module):
 def test_check_model_names_an_unknown_layout():
     model = nn.Module()
     model.layers = nn.ModuleList([ListExperts()])
+    plan = ModelPlan("M", experts=("layers.*",))
     problems = ExpertParallelStrategy.check_model(
-        model, ParallelConfig.from_kwargs(expert=2), ModelPlan("M", experts=("layers.*",)))
+        model, ParallelConfig.from_kwargs(expert=2), plan, find_anatomy(model, plan))
     assert [p.field for p in problems] == ["model"]
     assert "layers.0.experts" in problems[0].rule and "ModuleList" in problems[0].rule
 
 
 def test_apply_refuses_without_a_plan():
-    ctx = _ctx()
-    ctx.plan = None
+    model = torch.nn.Linear(2, 2)
     with pytest.raises(RuntimeError, match="plan naming the MoE blocks"):
-        ExpertParallelStrategy().apply(torch.nn.Linear(2, 2), ctx)
+        ExpertParallelStrategy().apply(model, _ctx(model, plan=None))

@@ -16,6 +16,7 @@ from paraxis.config.parallel import ParallelConfig
 from paraxis.config.rules import validate
 from paraxis.config.shape import ModelShape
 from paraxis.engine.plugins import collect_strategies, make_plugin_manager
+from paraxis.parallel.anatomy import find_anatomy
 from paraxis.parallel.batch import Batch
 from paraxis.parallel.stages import PipelineChunks
 from paraxis.runtime.collectives import CommStats
@@ -70,10 +71,11 @@ def _alone():
     return AxisGroup(("context",), (0,), 0, None, CommStats())
 
 
-def _ctx(**parallel):
+def _ctx(model=None, **parallel):
     group = _alone()
     return SimpleNamespace(grid=SimpleNamespace(group=lambda axes: group),
                            config=ParallelConfig.from_kwargs(**parallel),
+                           anatomy=find_anatomy(model) if model is not None else None,
                            batch_transforms=[], extras={})
 
 
@@ -88,7 +90,7 @@ def _llama(**over):
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])
 def test_strategy_selects_attention_and_appends_the_split(mode):
     model = _llama()
-    ctx = _ctx(context_mode=mode)
+    ctx = _ctx(model, context_mode=mode)
     assert ContextParallelStrategy().apply(model, ctx) is model
     assert model.config._attn_implementation == f"paraxis_{mode}"
     assert model.config.use_cache is False
@@ -104,7 +106,7 @@ def test_strategy_reaches_every_pipeline_chunk():
     second = copy.copy(first)  # interleaved chunks are shallow copies...
     second.config = copy.deepcopy(first.config)  # ...here with a config of its own
     chunks = PipelineChunks([first, second])
-    ContextParallelStrategy().apply(chunks, _ctx())
+    ContextParallelStrategy().apply(chunks, _ctx(first))
     assert [c.config._attn_implementation for c in chunks] == ["paraxis_ring"] * 2
 
 

@@ -61,6 +61,7 @@ class _Release:
 class OffloadStrategy(Strategy):
     axis = "offload"
     phase = Phase.DATA
+    order = 30  # one DATA strategy applies per run: data, zero or offload
 
     def apply(self, model: nn.Module, ctx: ApplyContext) -> nn.Module:
         for sync in ctx.grad_syncs:

@@ -4,7 +4,8 @@ transformers (>= 4.50) attaches to each model ``_tp_plan`` (module pattern -> st
 fully qualified, ``lm_head`` included) and ``_pp_plan`` (module -> input and output
 names); the config holds the base-model versions, ``base_model_tp_plan`` and
 ``base_model_pp_plan``, relative to ``base_model_prefix``. Mixture-of-experts blocks
-are the modules that hold an ``experts`` child.
+are the modules that hold an ``experts`` child (core's
+:func:`paraxis.parallel.anatomy.expert_blocks`).
 
 transformers' tensor plans of MoE families also split the fused experts
 (``moe_tp_experts``, ``packed_colwise`` on ``experts.gate_up_proj``); paraxis keeps each
@@ -20,6 +21,7 @@ from typing import Any
 
 from torch import nn
 
+from paraxis.parallel.anatomy import expert_blocks
 from paraxis.parallel.model_plan import ModelPlan
 from paraxis_hf.limits import unsupported_layouts
 
@@ -64,16 +66,11 @@ def _is_expert_entry(pattern: str) -> bool:
     return pattern.endswith(".experts") or ".experts." in pattern
 
 
-def _expert_blocks(model: nn.Module) -> tuple[str, ...]:
-    return tuple(name for name, module in model.named_modules()
-                 if isinstance(getattr(module, "experts", None), nn.Module))
-
-
 def hf_plan(model: nn.Module) -> ModelPlan:
     """The plan of a transformers ``PreTrainedModel``, from the model's own metadata."""
     cls = type(model).__name__
     tensor, pipeline = _tensor_plan(model), _pipeline_plan(model)
-    experts = _expert_blocks(model)
+    experts = expert_blocks(model)
     whole = sorted(p for p in tensor if experts and _is_expert_entry(p))
     tensor = {p: style for p, style in tensor.items() if p not in whole}
     missing = [axis for axis, part in (("tensor", tensor), ("pipeline", pipeline)) if not part]

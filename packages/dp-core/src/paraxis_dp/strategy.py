@@ -15,6 +15,7 @@ __all__ = ["DataParallelStrategy"]
 class DataParallelStrategy(Strategy):
     axis = "data"
     phase = Phase.DATA
+    order = 10  # one DATA strategy applies per run: data, zero or offload
 
     def apply(self, model: nn.Module, ctx: ApplyContext) -> nn.Module:
         par = ctx.config.parallelism

@@ -34,6 +34,7 @@ from torch import nn
 
 from paraxis.parallel.metric_names import moe_block, moe_total
 from paraxis.runtime.collectives import all_reduce_
+from paraxis_moe.experts import UnsupportedMoELayout
 from paraxis_moe.router import AUX_LOSS, Z_LOSS, RouterLosses
 
 __all__ = ["BIAS_NAME", "BiasBalancer", "SequenceLosses", "correction_bias", "sigmoid_scored"]
@@ -60,14 +61,6 @@ def sigmoid_scored(router: nn.Module) -> bool:
     except (OSError, TypeError):
         return False
     return "sigmoid" in source
-
-
-def selected_experts(output: Any, top_k: int) -> torch.Tensor | None:
-    """The router's own top-k indices: the integer tensor of its output tuple whose last
-    dimension is ``top_k`` (DeepSeek-V3 returns ``(logits, weights, indices)``)."""
-    items = output if isinstance(output, tuple) else (output,)
-    return next((t for t in items if torch.is_tensor(t) and not t.is_floating_point()
-                 and t.dim() >= 1 and t.shape[-1] == top_k), None)
 
 
 class SequenceLosses(RouterLosses):
@@ -106,8 +99,6 @@ class SequenceLosses(RouterLosses):
                seq_len: int | None = None) -> None:
         if not (self.aux_coef or self.z_coef):
             return
-        from paraxis_moe.experts import UnsupportedMoELayout
-
         if logits.shape[-1] != self.num_experts:
             super().record(logits)  # refused there, naming the extra classes
         seq_len = seq_len or self._seq_len

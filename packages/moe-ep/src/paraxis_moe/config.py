@@ -19,12 +19,10 @@ from pydantic import ValidationError
 
 from paraxis.config.errors import Problem
 from paraxis.config.parallel import MoEConfig
+from paraxis.config.shape import config_size
 
-__all__ = ["TOP_K_KEYS", "MoEConfig", "aux_coef", "experts_per_token", "group_limit_problems",
-           "moe_config", "moe_problems"]
-
-# Where Hugging Face configs keep top-k: every family surveyed uses the first.
-TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "num_selected_experts", "top_k")
+__all__ = ["MoEConfig", "aux_coef", "experts_per_token", "group_limit_problems", "moe_config",
+           "moe_problems"]
 
 
 def moe_config(config: Any) -> MoEConfig:
@@ -53,13 +51,10 @@ def aux_coef(moe: MoEConfig, model_config: Any) -> float:
 
 
 def experts_per_token(config: Any) -> int | None:
-    """Top-k of a Hugging Face config object or ``config.json`` dict (None if absent)."""
-    get = config.get if isinstance(config, Mapping) else lambda k: getattr(config, k, None)
-    for key in TOP_K_KEYS:
-        value = get(key)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    """Top-k of a Hugging Face config object or ``config.json`` dict (None if absent),
+    in core's one table of spellings (:data:`paraxis.config.shape.SIZE_SPELLINGS`)."""
+    value = config_size(config, "experts_per_token")
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def _has(problems: list[Problem], field: str) -> bool:

@@ -37,9 +37,10 @@ import torch
 
 from paraxis.parallel.metric_names import moe_total
 from paraxis.runtime.collectives import all_reduce_
+from paraxis_moe.experts import UnsupportedMoELayout
 from paraxis_moe.stats import LayerStats
 
-__all__ = ["AUX_LOSS", "Z_LOSS", "RouterLosses", "watch_router"]
+__all__ = ["AUX_LOSS", "Z_LOSS", "RouterLosses", "selected_experts", "watch_router"]
 
 AUX_LOSS = moe_total("aux_loss")
 Z_LOSS = moe_total("z_loss")
@@ -76,8 +77,6 @@ class RouterLosses:
         width = logits.shape[-1]
         if width != self.num_experts:
             if self.aux_coef or self.z_coef:
-                from paraxis_moe.experts import UnsupportedMoELayout
-
                 raise UnsupportedMoELayout(
                     f"a router has {width} logits for {self.num_experts} experts (skip or "
                     "zero-compute classes); its load-balancing loss is not defined. Set "
@@ -135,6 +134,14 @@ class RouterLosses:
         return resolve(self.finalize(counts))
 
 
+def selected_experts(output: Any, top_k: int) -> torch.Tensor | None:
+    """The router's own top-k indices: the integer tensor of its output tuple whose last
+    dimension is ``top_k`` (DeepSeek-V3 returns ``(logits, weights, indices)``)."""
+    items = output if isinstance(output, tuple) else (output,)
+    return next((t for t in items if torch.is_tensor(t) and not t.is_floating_point()
+                 and t.dim() >= 1 and t.shape[-1] == top_k), None)
+
+
 def watch_router(router: torch.nn.Module, *, stats: LayerStats | None,
                  losses: RouterLosses | None, recording: Callable[[], bool],
                  index: int = 0) -> Any:
@@ -149,8 +156,6 @@ def watch_router(router: torch.nn.Module, *, stats: LayerStats | None,
         if stats is not None:
             stats.add_router(logits)
         if losses is not None:
-            from paraxis_moe.balance import selected_experts
-
             # (batch, sequence, hidden) in: its sequences are known (a flattened input
             # leaves them to a loss that needs none).
             x = args[0] if args and torch.is_tensor(args[0]) else None

@@ -30,7 +30,7 @@ from typing import Any
 from torch import nn
 
 from paraxis.config.errors import Problem
-from paraxis.parallel.model_plan import ModelPlan
+from paraxis.parallel.anatomy import Anatomy
 from paraxis.parallel.stages import chunks_of
 from paraxis.parallel.strategy import ApplyContext, Phase, Strategy
 from paraxis.runtime.clock import Stopwatch
@@ -46,21 +46,23 @@ __all__ = ["ExpertParallelStrategy"]
 class ExpertParallelStrategy(Strategy):
     axis = "expert"
     phase = Phase.PARTITION
+    order = 20  # before tensor (see docs/architecture.md, "Hooks and phases")
 
     @classmethod
-    def check_model(cls, model: nn.Module, config: Any, plan: object | None) -> list[Problem]:
-        """Every MoE block the plan names must have fused experts paraxis can shard and a
-        router it can find, and its expert count must split over the expert degree; a
-        group-limited router's ``topk_group``/``n_group`` must be routable. At
+    def check_model(cls, model: nn.Module, config: Any, plan: object | None,
+                    anatomy: Anatomy) -> list[Problem]:
+        """Every MoE block of the model (its anatomy's, which the plan names) must have
+        fused experts paraxis can shard and a router it can find, and its expert count
+        must split over the expert degree; a group-limited router's
+        ``topk_group``/``n_group`` must be routable. At
         degree 1 nothing is sharded: a block it cannot shard is kept whole (the model's
         own forward; its router watched where found)."""
         routing = group_limit_problems(getattr(model, "config", None))
         if routing:
             return routing
-        patterns = getattr(plan, "experts", ()) or ()
         degree = config.parallelism.expert
         try:
-            blocks = find_blocks(model, patterns, keep_whole=degree == 1)
+            blocks = find_blocks(model, anatomy.expert_blocks, keep_whole=degree == 1)
         except UnsupportedMoELayout as exc:
             return [Problem("model", type(model).__name__, str(exc),
                             "use a transformers version whose MoE blocks hold fused "
@@ -73,8 +75,7 @@ class ExpertParallelStrategy(Strategy):
         return found + _expert_tensor_problems(blocks, config.parallelism.expert_tensor)
 
     def apply(self, model: nn.Module, ctx: ApplyContext) -> nn.Module:
-        plan = ctx.plan
-        if not isinstance(plan, ModelPlan) or not plan.experts:
+        if not ctx.anatomy.expert_blocks:
             raise RuntimeError("expert parallelism needs a model plan naming the MoE blocks "
                                "(paraxis-hf supplies one for transformers models)")
         moe = moe_config(ctx.config)
@@ -92,7 +93,8 @@ class ExpertParallelStrategy(Strategy):
                      *((ctx.grid.group("tensor"),) if routes_shard else ()))
         split = (ExpertTensor(ctx.grid.group("tensor"), sequence_parallel=par.sequence_parallel)
                  if par.expert_tensor > 1 else None)
-        ep = ExpertParallel(chunks_of(model), plan.experts, ctx.grid.group("expert"), moe=moe,
+        ep = ExpertParallel(chunks_of(model), ctx.anatomy.expert_blocks, ctx.grid.group("expert"),
+                            moe=moe,
                             token_group=ctx.grid.group(token_axes), sequence_groups=splitting,
                             pipeline=ctx.grid.group("pipeline") if ctx.pipeline else None,
                             allow_empty=ctx.pipeline is not None, expert_tensor=split,

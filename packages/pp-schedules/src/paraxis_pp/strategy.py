@@ -20,13 +20,7 @@ from paraxis.parallel.model_plan import ModelPlan, PlanError
 from paraxis.parallel.numerics import REDUCTION_RTOL
 from paraxis.parallel.placement import placement_of, set_placement
 from paraxis.parallel.split import stage_ranges as split_ranges
-from paraxis.parallel.stages import (
-    PipelineChunks,
-    StageSpec,
-    build_stage,
-    check_stages,
-    tied_parameters,
-)
+from paraxis.parallel.stages import PipelineChunks, build_stage, check_stages, tied_parameters
 from paraxis.parallel.strategy import ApplyContext, Phase, PipelineLayout, Strategy
 from paraxis_pp.check import check
 from paraxis_pp.executor import PipelineRunner
@@ -66,19 +60,24 @@ class PipelineStrategy(Strategy):
         if calls is None:
             raise PlanError(f"{plan.model_class}: no installed plugin knows how to run it as "
                             "pipeline stages (paraxis-hf does for transformers causal LMs)")
-        spec = StageSpec.from_plan(model, plan)
-        num_layers = len(model.get_submodule(spec.layers))
-        ranges = stage_ranges(model, num_layers, schedule.stages, sched_cfg.pipeline_split)
+        anatomy = ctx.anatomy
+        if anatomy.origin not in ("plan", "declared"):
+            # Stages cut the model where its pipeline plan says what runs before and after
+            # the layers; a list of layers found by search says neither.
+            raise PlanError(f"{plan.model_class}: the pipeline plan names no layer list "
+                            f"(layers found by: {anatomy.origin})")
+        ranges = stage_ranges(model, anatomy.num_layers, schedule.stages,
+                              sched_cfg.pipeline_split)
         vocab = _config_value(model, "vocab_size") or 2
         forward_kwargs = dict(plan.extra.get("forward_kwargs", {}))
         # Stages run the model's own operations (a skipped layer is an identity), so the
         # logits agree to fp32 rounding; a real mismatch (a position added twice) is O(1).
-        check_stages(model, spec, ranges, calls, vocab=vocab, rtol=REDUCTION_RTOL,
+        check_stages(model, anatomy, ranges, calls, vocab=vocab, rtol=REDUCTION_RTOL,
                      forward_kwargs=forward_kwargs)
-        tied = tied_parameters(model, spec)
+        tied = tied_parameters(model, anatomy)
         mine = [schedule.stage(group.rank, c) for c in range(schedule.chunks)]
         last = schedule.stages - 1
-        chunks = [build_stage(model, spec, ranges[s], first=s == 0, last=s == last,
+        chunks = [build_stage(model, anatomy, ranges[s], first=s == 0, last=s == last,
                               calls=calls, in_place=len(mine) == 1) for s in mine]
         for stage, chunk in zip(mine, chunks, strict=True):
             for p in chunk.parameters():

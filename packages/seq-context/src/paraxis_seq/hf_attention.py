@@ -34,13 +34,13 @@ config fields and module class names: they are a conservative heuristic, not a p
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from paraxis.parallel.anatomy import Anatomy, find_anatomy
 from paraxis.parallel.batch import DOC_IDS_KWARG
 from paraxis_seq.ring import DROPOUT_REFUSED, ring_attention
 from paraxis_seq.ulysses import ulysses_attention
@@ -66,11 +66,6 @@ _UNSUPPORTED_KWARGS: dict[str, str] = {
 }
 # Layer kinds of config.layer_types that are plain attention.
 _ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})
-# Class names of modules that mix the sequence outside self-attention (state-space,
-# linear attention, recurrences, convolutions), or attend to another sequence.
-_SEQUENCE_MIXERS = re.compile(r"Mamba|Mixer|GatedDeltaNet|LinearAttention|ShortConv|"
-                              r"Recurrent|Rwkv|RWKV|LSTM|Lightning|CrossAttention")
-_ATTENTION_NAMES = re.compile(r"Attention|Attn|MLA")
 _DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
 
 
@@ -125,10 +120,11 @@ def _refuse_call(attention_mask: torch.Tensor | None, kwargs: dict[str, Any]) ->
             raise ValueError(f"context-parallel attention got {name}=: {why}")
 
 
-def interceptable(model: nn.Module) -> str | None:
+def interceptable(model: nn.Module, anatomy: Anatomy | None = None) -> str | None:
     """None if every attention of ``model`` goes through transformers' attention
-    interface and nothing else mixes the sequence; else the reason it cannot be made
-    context parallel by :func:`use_context_attention`."""
+    interface and nothing else mixes the sequence (its ``anatomy`` says which modules
+    do; found here if not given); else the reason it cannot be made context parallel by
+    :func:`use_context_attention`."""
     from transformers import PreTrainedModel
 
     if not isinstance(model, PreTrainedModel):
@@ -153,13 +149,13 @@ def interceptable(model: nn.Module) -> str | None:
         return (f"layer types {sorted(kinds)} are not plain attention (state-space, linear "
                 "attention, convolution or chunked attention): they would see only this "
                 "rank's shard of the sequence")
-    names = {type(m).__name__ for m in model.modules()}
-    mixers = sorted({type(m).__name__ for m in model.modules()
-                     if isinstance(m, nn.Conv1d) or _SEQUENCE_MIXERS.search(type(m).__name__)})
+    anatomy = anatomy or find_anatomy(model)
+    held = dict(model.named_modules())
+    mixers = sorted({type(held[n]).__name__ if n in held else n for n in anatomy.mixers})
     if mixers:
         return (f"modules {mixers} mix the sequence outside self-attention (or attend to "
                 "another sequence); they would see only this rank's shard")
-    if not any(_ATTENTION_NAMES.search(name) for name in names):
+    if not anatomy.has_attention:
         return "no attention module found: the model mixes the sequence some other way"
     if getattr(cfg, "attn_logit_softcapping", None) is not None:
         return "context-parallel attention: " + _UNSUPPORTED_KWARGS["softcap"]
@@ -171,8 +167,9 @@ def interceptable(model: nn.Module) -> str | None:
     return None
 
 
-def use_context_attention(model: nn.Module, group: Any, *, mode: str = "ring",
-                          layout: str = "zigzag", documents: Any = None) -> str:
+def use_context_attention(model: nn.Module, group: Any, *, anatomy: Anatomy | None = None,
+                          mode: str = "ring", layout: str = "zigzag",
+                          documents: Any = None) -> str:
     """Register the context-parallel attention (name ``paraxis_<mode>``) and select it
     for ``model`` and its sub-models; returns the name. Raises ValueError with the
     reason when the model cannot be intercepted.
@@ -180,7 +177,7 @@ def use_context_attention(model: nn.Module, group: Any, *, mode: str = "ring",
     transformers' registry is process-wide: registering again under the same name (a
     new grid, in tests) replaces the function for every model that selected it.
     """
-    reason = interceptable(model)
+    reason = interceptable(model, anatomy)
     if reason is not None:
         raise ValueError(f"cannot make {type(model).__name__} context parallel: {reason}")
     from transformers import AttentionInterface

@@ -27,6 +27,7 @@ from paraxis.config.errors import Problem
 from paraxis.config.parallel import ParallelConfig
 from paraxis.config.rules import divisors
 from paraxis.config.shape import ModelShape
+from paraxis.parallel.anatomy import Anatomy
 
 __all__ = ["EQUIVALENT_IMPLEMENTATIONS", "LAYOUT_OF_MODE", "check_context", "check_module"]
 
@@ -74,7 +75,8 @@ def check_context(config: ParallelConfig, model: ModelShape | None,
     return problems
 
 
-def check_module(config: ParallelConfig, model: Any) -> list[Problem]:
+def check_module(config: ParallelConfig, model: Any,
+                 anatomy: Anatomy | None = None) -> list[Problem]:
     """Problems only the module shows: attention paraxis cannot intercept (named), or an
     attention implementation it would silently replace."""
     if config.parallelism.context == 1:
@@ -83,7 +85,7 @@ def check_module(config: ParallelConfig, model: Any) -> list[Problem]:
 
     field = "parallelism.context"
     try:
-        reason = interceptable(model)
+        reason = interceptable(model, anatomy)
     except ImportError:  # no transformers: the model cannot be a transformers model
         reason = (f"{type(model).__name__} is not a transformers model (transformers is not "
                   "installed); call paraxis_seq.ring_attention or ulysses_attention from "

@@ -45,6 +45,7 @@ from torch import nn
 
 from paraxis.config.errors import Problem
 from paraxis.config.parallel import ParallelConfig
+from paraxis.parallel.anatomy import Anatomy
 from paraxis.parallel.batch import Batch, document_ids
 from paraxis.parallel.stages import chunks_of
 from paraxis.parallel.strategy import ApplyContext, Phase, Strategy
@@ -105,15 +106,16 @@ class ContextParallelStrategy(Strategy):
 
     axis = "context"
     phase = Phase.PARTITION
+    order = 10  # first in its phase: it selects the attention kernel, rewrites nothing
 
     @classmethod
-    def check_model(cls, model: nn.Module, config: ParallelConfig,
-                    plan: object | None) -> list[Problem]:
+    def check_model(cls, model: nn.Module, config: ParallelConfig, plan: object | None,
+                    anatomy: Anatomy) -> list[Problem]:
         """Attention paraxis cannot intercept (named), or an attention implementation it
         would silently replace (:func:`paraxis_seq.rules.check_module`)."""
         from paraxis_seq.rules import check_module
 
-        return check_module(config, model)
+        return check_module(config, model, anatomy)
 
     def apply(self, model: nn.Module, ctx: ApplyContext) -> nn.Module:
         group = ctx.grid.group("context")
@@ -122,8 +124,8 @@ class ContextParallelStrategy(Strategy):
         names: list[str] = []
         documents = DocumentState()
         for chunk in chunks_of(model):  # each pipeline chunk is a model of its own
-            names.append(use_context_attention(chunk, group, mode=mode, layout=layout,
-                                               documents=documents))
+            names.append(use_context_attention(chunk, group, anatomy=ctx.anatomy, mode=mode,
+                                               layout=layout, documents=documents))
             chunk.config.use_cache = False  # a cache would hold one shard's keys
         ctx.batch_transforms.append(SequenceSplit(group.size, group.rank, layout, documents,
                                                   own_positions(model)))

@@ -23,7 +23,7 @@ parameter (:data:`paraxis_tp.regions.PARAM_STYLES`); its module keeps its forwar
 
 Any ``nn.Linear`` / ``nn.Embedding``, subclasses included, is sharded in place: its own
 forward still runs (see :mod:`paraxis_tp.layers`). Modules a pipeline stage does not own
-(:class:`paraxis.parallel.stages.Absent`) are left alone.
+(:class:`paraxis.parallel.standins.Absent`) are left alone.
 
 Region entries. Without sequence parallelism each column-parallel module enters the
 region itself (Megatron's f), but sibling projections fed the *same* tensor (q, k and v;
@@ -50,9 +50,10 @@ from typing import Any
 
 from torch import nn
 
+from paraxis.parallel.anatomy import Anatomy
 from paraxis.parallel.model_plan import ModelPlan, PlanError
 from paraxis.parallel.placement import placement_of, set_placement
-from paraxis.parallel.stages import Absent
+from paraxis.parallel.standins import Absent
 from paraxis.runtime.differentiable import copy_to
 from paraxis.runtime.grid import AxisGroup
 from paraxis_tp.cross_entropy import VocabParallelLoss
@@ -73,8 +74,7 @@ from paraxis_tp.regions import (
 )
 from paraxis_tp.rng import TensorParallelRNG
 
-__all__ = ["SUPPORTED_STYLES", "TensorParallelApplied", "apply_tensor_plan", "maybe_submodule",
-           "output_head"]
+__all__ = ["SUPPORTED_STYLES", "TensorParallelApplied", "apply_tensor_plan"]
 
 COLUMN = {"colwise", "packed_colwise", "colwise_gather_output"}
 ROW = {"rowwise", "rowwise_split_input"}
@@ -98,23 +98,6 @@ class TensorParallelApplied:
         # their output: name -> their entry, which a mixer run whole rebinds
         # (:func:`paraxis_tp.sequence.shard_sequence`).
         self.gathered_entries: dict[str, Entry] = {}
-
-
-def output_head(chunk: nn.Module, plan: ModelPlan) -> nn.Module | None:
-    """The output head: the pipeline plan's last entry (transformers appends the head's),
-    else the model's output embedding; None on a stage that does not hold it."""
-    if plan.pipeline:
-        head = maybe_submodule(chunk, list(plan.pipeline)[-1])
-    else:
-        head = getattr(chunk, "get_output_embeddings", lambda: None)()
-    return None if head is None or isinstance(head, Absent) else head
-
-
-def maybe_submodule(model: nn.Module, name: str) -> nn.Module | None:
-    try:
-        return model.get_submodule(name)
-    except AttributeError:
-        return None
 
 
 def _padded(n: int, t: int) -> int:
@@ -154,8 +137,8 @@ def _param_styles(model: nn.Module, plan: ModelPlan) -> list[tuple[str, str, str
     return found
 
 
-def apply_tensor_plan(model: nn.Module, plan: ModelPlan, group: AxisGroup, *,
-                      sequence_parallel: bool, rng: TensorParallelRNG,
+def apply_tensor_plan(model: nn.Module, plan: ModelPlan, anatomy: Anatomy, group: AxisGroup,
+                      *, sequence_parallel: bool, rng: TensorParallelRNG,
                       out: TensorParallelApplied, memo: dict[int, nn.Parameter],
                       overlap: bool = False) -> None:
     """Shard one model (or pipeline stage) in place; ``memo`` is shared across the
@@ -166,7 +149,7 @@ def apply_tensor_plan(model: nn.Module, plan: ModelPlan, group: AxisGroup, *,
     overlap = overlap and sp
     fused: dict[str, OverlappedEntry] = {}  # block -> its entry fused with its columns
     styles = _styles(model, plan)
-    output_embedding = output_head(model, plan)
+    output_embedding = anatomy.head_of(model)
     rows = {n for n, s in styles.items() if s in ROW}
     parents_with_rows = {n.rpartition(".")[0] for n in rows}
     enter = functools.partial(gather_tokens, group=group, grad="sum") if sp \

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from paraxis.config.errors import Problem
+from paraxis.parallel.anatomy import Anatomy
 from paraxis.parallel.model_plan import ModelPlan
 from paraxis.parallel.numerics import REDUCTION_RTOL
 from paraxis.parallel.placement import placement_of
@@ -121,9 +122,11 @@ def overlap_wanted(option: str, group: AxisGroup) -> bool:
 class TensorParallelStrategy(Strategy):
     axis = "tensor"
     phase = Phase.PARTITION
+    order = 30  # last in its phase (see docs/architecture.md, "Hooks and phases")
 
     @classmethod
-    def check_model(cls, model: nn.Module, config: Any, plan: object | None) -> list[Problem]:
+    def check_model(cls, model: nn.Module, config: Any, plan: object | None,
+                    anatomy: Anatomy) -> list[Problem]:
         """Linear layers the plan splits whose width the degree does not divide (a
         shared expert's FFN, say), named before any process group."""
         return check_split_widths(model, plan, config.parallelism.tensor)
@@ -147,11 +150,11 @@ class TensorParallelStrategy(Strategy):
         memo: dict[int, nn.Parameter] = {}
         pipeline = ctx.pipeline
         for c, chunk in enumerate(chunks_of(model)):
-            apply_tensor_plan(chunk, plan, group, sequence_parallel=sp, rng=out.rng, out=out,
-                              memo=memo, overlap=overlap)
+            apply_tensor_plan(chunk, plan, ctx.anatomy, group, sequence_parallel=sp,
+                              rng=out.rng, out=out, memo=memo, overlap=overlap)
             if sp:
                 first_layer = pipeline.layers_of(c)[0] if pipeline else 0
-                shard_sequence(chunk, plan, group, out, first_layer=first_layer,
+                shard_sequence(chunk, ctx.anatomy, group, out, first_layer=first_layer,
                                first_stage=pipeline is None or pipeline.stages[c] == 0)
         if sp:
             ctx.activation_sequence_shards *= group.size

@@ -6,8 +6,9 @@ model parameter is its first ``rows`` rows and this rank's *shard* is a view of 
 ``rank``: an fp32 Parameter with its own placement that the optimizer steps in place,
 so the master weights are the model's own (no copy, 4 bytes per parameter in fp32).
 
-Gradients travel in core's buckets (:func:`paraxis.parallel.buckets.assign_buckets`), in a
-fixed bucket order, launched from post-accumulate-grad hooks as backward produces them:
+Gradients travel in core's buckets (:func:`paraxis.parallel.buckets.assign_buckets`),
+through core's loop (:class:`paraxis.parallel.buckets.BucketLoop`): in a fixed bucket
+order, launched from post-accumulate-grad hooks as backward produces them:
 each full bucket is copied rank-major (:class:`~paraxis_zero.layout.ShardLayout`),
 divided by ``n`` and reduce-scattered asynchronously, so every rank receives the
 average of its own chunk only: half an all-reduce, 2Ψ(n-1)/n with the all-gather that
@@ -26,22 +27,19 @@ model (:meth:`after_step`, called by the optimizer
 
 from __future__ import annotations
 
-import contextlib
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from paraxis.parallel.buckets import assign_buckets
+from paraxis.parallel.buckets import BucketLoop, FlatAllReduce, assign_buckets
 from paraxis.parallel.placement import placement_of, set_placement
 from paraxis.parallel.strategy import SyncOrder
 from paraxis.runtime.collectives import Pending, all_gather_into, reduce_scatter_into
 from paraxis.runtime.grid import Grid
 from paraxis_zero.layout import ShardLayout
-from paraxis_zero.whole import WHOLE_BELOW, WholeReducer, keep_whole
+from paraxis_zero.whole import WHOLE_BELOW, keep_whole
 
 __all__ = ["ShardedOptimizerSync"]
 
@@ -57,6 +55,10 @@ class _Bucket:
     ready: set[int] = field(default_factory=set)
     work: Pending | None = None
 
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return self.layout.params
+
 
 def _padded(t: torch.Tensor, numel: int) -> torch.Tensor:
     """A zeroed flat storage of ``numel`` elements whose first elements are ``t``'s."""
@@ -65,8 +67,9 @@ def _padded(t: torch.Tensor, numel: int) -> torch.Tensor:
     return out
 
 
-class ShardedOptimizerSync:
-    """Gradient synchronizer and shard owner for ZeRO stage 1 or 2 (``SyncOrder.DATA``)."""
+class ShardedOptimizerSync(BucketLoop[_Bucket]):
+    """Gradient synchronizer and shard owner for ZeRO stage 1 or 2 (``SyncOrder.DATA``);
+    the parameters it keeps whole are its follower's (:class:`FlatAllReduce`)."""
 
     order = SyncOrder.DATA
 
@@ -74,18 +77,16 @@ class ShardedOptimizerSync:
                  whole_below: int = WHOLE_BELOW, wire_dtype: torch.dtype | None = None):
         if stage not in (1, 2):
             raise ValueError(f"ShardedOptimizerSync does ZeRO stages 1 and 2, not {stage}")
-        self.grid, self.stage, self._sync = grid, stage, True
+        self.grid, self.stage = grid, stage
         params = [p for p in module.parameters() if p.requires_grad]
         whole = [p for p in params if keep_whole(p, grid, whole_below)]
         sharded = [p for p in params if not keep_whole(p, grid, whole_below)]
         self.wire_dtype = wire_dtype  # parallelism.reduce_dtype
-        self.whole = WholeReducer(whole, grid, bucket_bytes, wire_dtype)
+        self.whole = FlatAllReduce(whole, grid, bucket_bytes, wire_dtype=wire_dtype)
+        self.followers = (self.whole,)
         self.whole_params = whole
-        self.buckets = [self._bucket(ShardLayout.build(g, ps, grid.token_replicas))
-                        for g, ps in assign_buckets(sharded, grid, bucket_bytes)]
-        self._where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.layout.params)}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._where]
-        self._next = 0
+        super().__init__([self._bucket(ShardLayout.build(g, ps, grid.token_replicas))
+                          for g, ps in assign_buckets(sharded, grid, bucket_bytes)])
 
     @torch.no_grad()
     def _bucket(self, layout: ShardLayout) -> _Bucket:
@@ -111,28 +112,10 @@ class ShardedOptimizerSync:
     def optimizer_params(self) -> list[nn.Parameter]:
         return [s for b in self.buckets for s in b.shards] + self.whole_params
 
-    # ---- backward --------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        previous, self._sync = self._sync, False
-        self.whole.sync = False
-        try:
-            yield
-        finally:
-            self._sync = self.whole.sync = previous
-
-    def _on_grad(self, param: nn.Parameter) -> None:
-        if not self._sync:
-            return
-        bucket, i = self._where[param]
-        self._take(bucket, i)
-        while self._next < len(self.buckets) and \
-                len(self.buckets[self._next].ready) == len(self.buckets[self._next].shards):
-            self._launch(self.buckets[self._next])
+    # ---- backward (core's loop calls take and launch) ---------------------------------
 
     @torch.no_grad()
-    def _take(self, bucket: _Bucket, i: int) -> None:
+    def take(self, bucket: _Bucket, i: int) -> None:
         """Parameter ``i``'s gradient is final for this step: stage 1 keeps it in its
         padded storage; stage 2 moves it into the send buffer and frees it."""
         p, layout = bucket.layout.params[i], bucket.layout
@@ -149,10 +132,9 @@ class ShardedOptimizerSync:
                                           device=p.device)
             layout.to_rank_major(bucket.send, i, p.grad)
             p.grad = None
-        bucket.ready.add(i)
 
     @torch.no_grad()
-    def _launch(self, bucket: _Bucket) -> None:
+    def launch(self, bucket: _Bucket) -> None:
         layout, n = bucket.layout, bucket.layout.group.size
         if bucket.grads is not None:  # stage 1: the whole gradients are already padded
             bucket.send = torch.empty(n * layout.per_rank, dtype=bucket.recv.dtype,
@@ -163,29 +145,12 @@ class ShardedOptimizerSync:
         bucket.send.div_(layout.divisor)  # pre-divided (Grid.token_replicas)
         bucket.work = reduce_scatter_into(bucket.recv, bucket.send, layout.group, async_op=True,
                                           wire_dtype=self.wire_dtype)
-        self._next += 1
-
-    def finish(self) -> float:
-        """Launch buckets not yet started (parameters without a gradient reduce as
-        zeros, or as what no_sync accumulated), wait for all, and hand each shard its
-        reduced gradient; then the whole parameters'. Returns seconds blocked."""
-        for bucket in self.buckets[self._next:]:
-            for i in range(len(bucket.shards)):
-                if i not in bucket.ready:
-                    self._take(bucket, i)
-            self._launch(bucket)
-        start = time.perf_counter()
-        for bucket in self.buckets:
-            assert bucket.work is not None
-            bucket.work.wait()
-            bucket.work, bucket.send = None, None
-            bucket.ready.clear()
-            self._hand_out(bucket)
-        self._next = 0
-        return time.perf_counter() - start + self.whole.finish()
 
     @torch.no_grad()
-    def _hand_out(self, bucket: _Bucket) -> None:
+    def received(self, bucket: _Bucket) -> None:
+        """Hand each shard its reduced gradient (the loop's :meth:`finish` calls it once
+        the bucket's reduce-scatter completed; it then finishes the whole parameters)."""
+        bucket.send = None
         layout, rank = bucket.layout, bucket.layout.group.rank
         for i, shard in enumerate(bucket.shards):
             if bucket.grads is None:
@@ -225,9 +190,3 @@ class ShardedOptimizerSync:
         for bucket in self.buckets:
             for g in bucket.grads or ():
                 g.zero_()
-
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-        self.whole.remove_hooks()

@@ -27,9 +27,7 @@ accumulate whole (as FSDP2 without gradient sync); the final microbatch reduces 
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -37,7 +35,8 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
-from paraxis.parallel.model_plan import ModelPlan
+from paraxis.parallel.anatomy import Anatomy
+from paraxis.parallel.buckets import FlatAllReduce, SyncSwitch
 from paraxis.parallel.placement import placement_of
 from paraxis.parallel.stages import chunks_of
 from paraxis.parallel.strategy import SyncOrder
@@ -45,7 +44,7 @@ from paraxis.runtime.grid import Grid
 from paraxis_zero.layout import ShardLayout
 from paraxis_zero.sharded_unit import Fill, ShardedUnit
 from paraxis_zero.units import find_units
-from paraxis_zero.whole import WHOLE_BELOW, WholeReducer, keep_whole
+from paraxis_zero.whole import WHOLE_BELOW, keep_whole
 
 __all__ = ["ShardedParameters"]
 
@@ -76,22 +75,24 @@ def _draw_whole(p: nn.Parameter, fill: Fill, device: torch.device | None) -> Non
 IN_FLIGHT = 2
 
 
-class ShardedParameters:
-    """Gradient synchronizer and shard owner for ZeRO stage 3 (``SyncOrder.DATA``)."""
+class ShardedParameters(SyncSwitch):
+    """Gradient synchronizer and shard owner for ZeRO stage 3 (``SyncOrder.DATA``); the
+    parameters it keeps whole are its follower's (:class:`FlatAllReduce`)."""
 
     order = SyncOrder.DATA
 
-    def __init__(self, model: nn.Module, *, grid: Grid, plan: ModelPlan | None,
+    def __init__(self, model: nn.Module, *, grid: Grid, anatomy: Anatomy,
                  bucket_bytes: int, whole_below: int = WHOLE_BELOW, prefetch: int = 1,
                  wire_dtype: torch.dtype | None = None, fill: Fill | None = None,
                  device: torch.device | None = None):
-        self.grid, self.prefetch, self._sync = grid, prefetch, True
+        self.grid, self.prefetch = grid, prefetch
         params = [p for p in model.parameters() if p.requires_grad]
         self.whole_params = [p for p in params if keep_whole(p, grid, whole_below)]
         if fill is not None:  # a deferred model: whole ones first (the buckets read them)
             for p in self.whole_params:
                 _draw_whole(p, fill, device)
-        self.whole = WholeReducer(self.whole_params, grid, bucket_bytes, wire_dtype)
+        self.whole = FlatAllReduce(self.whole_params, grid, bucket_bytes, wire_dtype=wire_dtype)
+        self.followers = (self.whole,)
         sharded = [p for p in params if not keep_whole(p, grid, whole_below)]
         self.units: list[ShardedUnit] = []  # forward order; the roots first
         self.roots: dict[int, ShardedUnit | None] = {}
@@ -100,7 +101,7 @@ class ShardedParameters:
         for chunk in chunks_of(model):  # chunks share no parameter but a tied one
             mine = [p for p in chunk.parameters() if id(p) in left]
             left -= {id(p) for p in mine}
-            specs, rest = find_units(chunk, plan, mine)
+            specs, rest = find_units(chunk, anatomy, mine)
             root = ShardedUnit("root", chunk, _layouts(rest, grid), wire_dtype=wire_dtype,
                                reshard_after_forward=False, fill=fill,
                                device=device) if rest else None
@@ -180,7 +181,7 @@ class ShardedParameters:
         if len(unit.ready) < len(unit.params):
             return
         unit.ready.clear()
-        if self._sync:
+        if self.sync:
             unit.prepare_reduce()
             self._launch_ready()
         unit.reshard()
@@ -197,15 +198,6 @@ class ShardedParameters:
         while self._released < self._next - IN_FLIGHT:
             order[self._released].release_send()
             self._released += 1
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        previous, self._sync = self._sync, False
-        self.whole.sync = False
-        try:
-            yield
-        finally:
-            self._sync = self.whole.sync = previous
 
     def finish(self) -> float:
         """Reduce what backward did not (parameters without a gradient as zeros, or what

@@ -22,7 +22,6 @@ import torch.distributed as dist
 from torch import nn
 
 from paraxis.parallel.buckets import MiB
-from paraxis.parallel.model_plan import ModelPlan
 from paraxis.parallel.placement import placement_of
 from paraxis.parallel.strategy import MATERIALIZE_ATTR, ApplyContext, Phase, Strategy
 from paraxis.runtime.collectives import WIRE_DTYPES
@@ -52,6 +51,7 @@ def broadcast_from_first_replica(model: nn.Module, grid: Grid) -> None:
 class ZeroStrategy(Strategy):
     axis = "zero"
     phase = Phase.DATA
+    order = 20  # one DATA strategy applies per run: data, zero or offload
     takes_meta = True  # ZeRO-3 draws a deferred model's shards itself
 
     def apply(self, model: nn.Module, ctx: ApplyContext) -> nn.Module:
@@ -65,9 +65,8 @@ class ZeroStrategy(Strategy):
         wire = WIRE_DTYPES[par.reduce_dtype]
         self.sync: ShardedOptimizerSync | ShardedParameters
         if par.zero == 3:
-            plan = ctx.plan if isinstance(ctx.plan, ModelPlan) else None
             device = getattr(materialize, "device", None) or device_for_rank()
-            self.sync = ShardedParameters(model, grid=ctx.grid, plan=plan,
+            self.sync = ShardedParameters(model, grid=ctx.grid, anatomy=ctx.anatomy,
                                           bucket_bytes=bucket_bytes, wire_dtype=wire,
                                           prefetch=par.zero_prefetch, fill=fill,
                                           device=device)

@@ -188,7 +188,7 @@ def shard_proof(engine: Any, whole: int, layout: dict[str, Any] | None = None
     whole model's ``layout``) the bytes the plan and the degrees say it should hold
     (:func:`paraxis_hf.coverage.shares.expected_share`)."""
     from paraxis.parallel.placement import placement_of
-    from paraxis.parallel.stages import Absent, SkipLayer
+    from paraxis.parallel.standins import Absent, SkipLayer
     from paraxis_hf.coverage.shares import expected_on_rank
 
     params = list({id(p): p for p in engine.model.parameters()}.values())

@@ -16,7 +16,7 @@ from paraxis.config.run import RunConfig
 from paraxis.config.shape import ModelShape
 from paraxis.engine.plugins import make_plugin_manager
 from paraxis.engine.precision import precision_problems
-from paraxis.engine.resolve import missing_axes, resolve_strategies
+from paraxis.engine.resolve import resolve
 from paraxis.parallel.optimizers import optimizer_problems
 from paraxis.planner.cli import add_plan_parser
 from paraxis.train.data import check_data
@@ -37,7 +37,7 @@ def _load_checked(args: argparse.Namespace) -> RunConfig:
                                            "max_position_embeddings": config.train.seq_length})
         model = model if model.hidden_size and model.num_attention_heads else None
     pm = make_plugin_manager()
-    missing = missing_axes(config, pm, has_experts=bool(model and model.num_experts))
+    missing = resolve(config, pm, has_experts=bool(model and model.num_experts)).missing
     validate(config, world_size=getattr(args, "world_size", None), model=model,
              plugin_manager=pm, extra=[*config.check_run(), *missing, *check_data(config),
                                        *optimizer_problems(config.train, config),
@@ -59,7 +59,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     config = _load_or_report(args)
     if config is None:
         return 1
-    strategies = resolve_strategies(config, make_plugin_manager())
+    strategies = resolve(config, make_plugin_manager()).require()
     degrees = " x ".join(f"{a}={d}" for a, d in config.degrees.items())
     names = ", ".join(f"{s.axis} ({s.phase.name.lower()})" for s in strategies) or "none"
     print(f"{args.config}: valid. world size {config.world_size} ({degrees}); "

@@ -31,8 +31,9 @@ SIZE_SPELLINGS: dict[str, tuple[str, ...]] = {
     "intermediate_size": ("intermediate_size", "n_inner"),
     "num_experts": ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"),
     "seq_length": ("max_position_embeddings", "n_positions", "seq_length"),
+    # The router's top-k (every family surveyed uses the first; moe-ep reads it here).
     "experts_per_token": ("num_experts_per_tok", "moe_topk", "num_experts_per_token",
-                          "moe_top_k", "top_k"),
+                          "num_selected_experts", "moe_top_k", "top_k"),
 }
 
 

@@ -10,6 +10,7 @@ the parity probe (:mod:`paraxis.engine.probe`).
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,7 +28,8 @@ from paraxis.engine.optim import WarmupCosine
 from paraxis.engine.plugins import make_plugin_manager
 from paraxis.engine.precision import precision_problems
 from paraxis.engine.probe import Probe
-from paraxis.engine.resolve import installed_strategies, resolve_strategies
+from paraxis.engine.resolve import resolve
+from paraxis.parallel.anatomy import Anatomy, find_anatomy
 from paraxis.parallel.model_plan import PLANNED_AXES, ModelPlan, find_plan
 from paraxis.parallel.optimizers import make_optimizer, optimizer_problems
 from paraxis.parallel.placement import record_replicated
@@ -38,8 +40,8 @@ from paraxis.runtime.world import device_for_rank, init_distributed, launched_wo
 if TYPE_CHECKING:
     import pluggy
 
-__all__ = ["apply_parallelism", "apply_strategies", "build_optimizer", "find_twin",
-           "parallelize", "preflight", "probe_twin"]
+__all__ = ["Preflight", "apply_parallelism", "apply_strategies", "build_optimizer",
+           "find_twin", "parallelize", "preflight", "probe_twin"]
 
 
 def build_optimizer(model: nn.Module, ctx: ApplyContext,
@@ -54,26 +56,39 @@ def build_optimizer(model: nn.Module, ctx: ApplyContext,
     return make_optimizer(model.parameters(), train)
 
 
+@dataclass(frozen=True)
+class Preflight:
+    """What :func:`preflight` found, carried to :func:`apply_parallelism`: the model's
+    shape (at the trained length), its plan, its anatomy, and the strategies to apply,
+    resolved once, in apply order."""
+
+    shape: ModelShape | None
+    plan: ModelPlan
+    anatomy: Anatomy
+    strategies: tuple[type[Strategy], ...]
+
+
 def preflight(model: nn.Module, config: ParallelConfig, *, train: TrainSection,
               plan: ModelPlan | None = None, model_shape: ModelShape | None = None,
               plugin_manager: Any = None, world_size: int | None = None,
-              optimizer: Any = None) -> tuple[ModelShape | None, ModelPlan]:
+              optimizer: Any = None) -> Preflight:
     """What :func:`parallelize` checks before any process group exists: the config
     against the world size (``world_size``, else the launched one) and the model's shape,
     every axis resolved to an installed package, the plan found and required for each
-    axis that rewrites modules. Raises the error ``parallelize`` would; returns the
-    model's shape (at the trained length) and its plan."""
+    axis that rewrites modules, the model's anatomy read. Raises the error
+    ``parallelize`` would."""
     pm = plugin_manager or make_plugin_manager()
     if model_shape is None and hasattr(model, "config"):
         model_shape = ModelShape.from_hf_config(model.config)
     if model_shape is not None:  # what is split and counted is the trained length
         model_shape = dataclasses.replace(model_shape, seq_length=train.seq_length)
     model_plan = find_plan(model, pm, plan)
-    experts = bool(model_plan.experts)
+    anatomy = find_anatomy(model, model_plan)
+    resolution = resolve(config, pm, has_experts=bool(model_plan.experts))
     # What only the module shows (a layout an axis does not know, an attention kernel it
     # cannot intercept) is reported with the configuration's problems, all at once.
-    module_problems = [p for cls in installed_strategies(config, pm, has_experts=experts)
-                       for p in cls.check_model(model, config, model_plan)]
+    module_problems = [p for cls in resolution.strategies
+                       for p in cls.check_model(model, config, model_plan, anatomy)]
     module_problems += model_plan.refusals(config)
     if optimizer is None:  # one given is the caller's; train.optimizer is ours to check
         module_problems += optimizer_problems(train, config)
@@ -82,14 +97,13 @@ def preflight(model: nn.Module, config: ParallelConfig, *, train: TrainSection,
         validate(config, world_size=world_size or launched_world_size(), model=model_shape,
                  plugin_manager=pm, extra=module_problems)
     except ConfigError as err:  # with a missing axis package named first, if there is one
-        resolve_strategies(config, pm, has_experts=experts, problems=err.problems)
+        resolution.require(err.problems)
         raise
-    # A missing axis package fails here, before any group.
-    resolve_strategies(config, pm, has_experts=experts)
+    strategies = resolution.require()  # a missing axis package fails here, before any group
     for axis in PLANNED_AXES:
         if config.degrees[axis] > 1:
             model_plan.require(axis)
-    return model_shape, model_plan
+    return Preflight(model_shape, model_plan, anatomy, strategies)
 
 
 def parallelize(
@@ -129,9 +143,9 @@ def parallelize(
                                             expert=expert, context=context, zero=zero,
                                             microbatches=microbatches, **options)
     train_cfg = train if isinstance(train, TrainSection) else TrainSection(**(train or {}))
-    model_shape, model_plan = preflight(model, config, train=train_cfg, plan=plan,
-                                        model_shape=model_shape, plugin_manager=pm,
-                                        optimizer=optimizer)
+    checked = preflight(model, config, train=train_cfg, plan=plan, model_shape=model_shape,
+                        plugin_manager=pm, optimizer=optimizer)
+    model_shape, model_plan = checked.shape, checked.plan
 
     lazy = deferred(model)  # on the meta device until each rank reads its slices
     # No whole model: its twin's probe (and masks) stand for it; none is refused here.
@@ -156,10 +170,11 @@ def parallelize(
                              forward_kwargs=model_plan.extra.get("forward_kwargs", {}),
                              shape=model_shape)
     model, ctx = apply_parallelism(model, grid=grid, config=config, plugin_manager=pm,
-                                   plan=model_plan)
+                                   plan=model_plan, anatomy=checked.anatomy,
+                                   strategies=checked.strategies)
     backend = backend_of(train_cfg.compile)
     if backend is not None:  # before the probe, which then checks the compiled layers
-        layers = compile_layers(model, model_plan, backend)
+        layers = compile_layers(model, checked.anatomy, backend)
         ctx.extras["compile"] = f"{backend}, {layers} layers"
         ctx.step_hooks.append(graph_breaks())
     if optimizer is None:
@@ -213,9 +228,12 @@ def probe_twin(twin: nn.Module, config: ParallelConfig, *, train: TrainSection,
 
 
 def apply_strategies(model: nn.Module, ctx: ApplyContext,
-                     strategies: list[type[Strategy]]) -> nn.Module:
+                     strategies: tuple[type[Strategy], ...]) -> nn.Module:
+    """Apply ``strategies`` (in apply order: :func:`paraxis.engine.resolve.apply_order`),
+    materializing a deferred model before the first WRAP or DATA strategy that needs its
+    storage."""
     materialize = getattr(model, MATERIALIZE_ATTR, None)
-    for cls in sorted(strategies, key=lambda c: (c.phase, c.axis)):
+    for cls in strategies:
         if materialize is not None and cls.phase >= Phase.WRAP and not cls.takes_meta:
             materialize(model)
             materialize = None
@@ -229,14 +247,22 @@ def apply_strategies(model: nn.Module, ctx: ApplyContext,
 
 def apply_parallelism(model: nn.Module, *, grid: Grid, config: ParallelConfig,
                       plugin_manager: pluggy.PluginManager | None = None,
-                      plan: object | None = None) -> tuple[nn.Module, ApplyContext]:
-    """Record placements, then apply every axis the config asks for, in phase order.
+                      plan: ModelPlan | None = None, anatomy: Anatomy | None = None,
+                      strategies: tuple[type[Strategy], ...] | None = None,
+                      ) -> tuple[nn.Module, ApplyContext]:
+    """Record placements, then apply every axis the config asks for, in apply order.
 
-    Returns the (possibly rewritten) model and the context holding its gradient
+    ``anatomy`` and ``strategies`` are what :func:`preflight` found (found here when not
+    given). Returns the (possibly rewritten) model and the context holding its gradient
     synchronizers. Collective: every rank of ``grid`` calls it with the same config.
     """
     pm = plugin_manager or make_plugin_manager()
-    strategies = resolve_strategies(config, pm, has_experts=bool(getattr(plan, "experts", ())))
+    if anatomy is None:
+        anatomy = find_anatomy(model, plan)
+    if strategies is None:
+        strategies = resolve(config, pm, has_experts=bool(getattr(plan, "experts", ()))
+                             ).require()
     record_replicated(model)
-    ctx = ApplyContext(grid=grid, config=config, plan=plan, plugin_manager=pm)
+    ctx = ApplyContext(grid=grid, config=config, plan=plan, plugin_manager=pm,
+                       anatomy=anatomy)
     return apply_strategies(model, ctx, strategies), ctx

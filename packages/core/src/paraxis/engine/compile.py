@@ -23,18 +23,17 @@ from collections.abc import Callable
 
 from torch import nn
 
-from paraxis.parallel.model_plan import ModelPlan
-from paraxis.parallel.recompute import layer_list
+from paraxis.parallel.anatomy import Anatomy
 from paraxis.parallel.stages import chunks_of
 
 __all__ = ["backend_of", "compile_layers", "graph_breaks"]
 
 
-def compile_layers(model: nn.Module, plan: ModelPlan | None, backend: str) -> int:
+def compile_layers(model: nn.Module, anatomy: Anatomy, backend: str) -> int:
     """Compile every layer this rank runs with ``backend``; return how many."""
     count = 0
     for chunk in chunks_of(model):
-        for layer in layer_list(chunk, plan):
+        for _, layer in anatomy.owned_layers(chunk):
             layer.compile(backend=backend)
             count += 1
     return count

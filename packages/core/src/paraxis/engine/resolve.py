@@ -1,12 +1,19 @@
 """Which strategies a run needs, and the installed packages that provide them.
 
 :func:`required_axes` reads the configuration (and whether the model has
-mixture-of-experts blocks); :func:`resolve_strategies` maps each axis to the class an
-installed plugin registered, or fails with the ``pip install`` that provides it.
+mixture-of-experts blocks); :func:`resolve` collects the registered strategies once and
+maps each required axis to its class, in the order they apply, noting the axes no
+installed package provides (the ``pip install`` that does is in the problem).
+
+The apply order is the phase (:class:`~paraxis.parallel.strategy.Phase`), then each
+strategy's declared ``order`` within it; two strategies of one phase may not declare the
+same order (the order would then be an accident of names, as it was before issue 33).
 """
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from paraxis.config.errors import MissingAxisPackageError, Problem
@@ -18,7 +25,7 @@ if TYPE_CHECKING:
 
     from paraxis.config.parallel import ParallelConfig
 
-__all__ = ["PACKAGE_FOR_AXIS", "installed_strategies", "missing_axes", "required_axes",
+__all__ = ["PACKAGE_FOR_AXIS", "Resolution", "apply_order", "required_axes", "resolve",
            "resolve_strategies"]
 
 
@@ -62,37 +69,59 @@ def _setting(config: ParallelConfig, axis: str) -> tuple[str, Any]:
     return f"{section}.{axis}", getattr(getattr(config, section), axis)
 
 
-def missing_axes(config: ParallelConfig, pm: pluggy.PluginManager, *,
-                 has_experts: bool = False) -> list[Problem]:
-    """A problem for every required axis that no installed plugin provides."""
+def apply_order(strategies: list[type[Strategy]]) -> tuple[type[Strategy], ...]:
+    """``strategies`` in the order they apply: by phase, then the order each declares
+    within its phase. Two of one phase declaring the same order is a plugin's error."""
+    ordered = sorted(strategies, key=lambda cls: (cls.phase, cls.order))
+    for a, b in itertools.pairwise(ordered):
+        if (a.phase, a.order) == (b.phase, b.order):
+            raise ValueError(
+                f"strategies {a.__qualname__} ({a.axis}) and {b.__qualname__} ({b.axis}) "
+                f"both declare order {a.order} in phase {a.phase.name}: give each its own "
+                "place (Strategy.order), so the apply order is stated, not an accident")
+    return tuple(ordered)
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """The strategies a run applies (those installed, in apply order) and a problem for
+    every required axis no installed package provides."""
+
+    strategies: tuple[type[Strategy], ...]
+    missing: tuple[Problem, ...]
+    packages: tuple[tuple[str, str], ...]  # (axis, distribution) of each missing axis
+
+    def require(self, problems: list[Problem] | None = None) -> tuple[type[Strategy], ...]:
+        """The strategies; raises :class:`MissingAxisPackageError` naming the first
+        missing package, with every missing axis and ``problems`` (the configuration's
+        others, so one message says everything)."""
+        if self.packages:
+            axis, package = self.packages[0]
+            raise MissingAxisPackageError(axis, package, [*self.missing, *(problems or [])])
+        return self.strategies
+
+
+def resolve(config: ParallelConfig, pm: pluggy.PluginManager, *,
+            has_experts: bool = False) -> Resolution:
+    """Collect the registered strategies once and resolve every required axis."""
     available = collect_strategies(pm)
-    return [Problem(*_setting(config, axis), f"no installed package provides the {axis} axis"
-                    + (" (a mixture-of-experts model trains with its router losses)"
-                       if axis == "expert" and has_experts else ""),
-                    f"pip install {PACKAGE_FOR_AXIS[axis]}")
-            for axis in required_axes(config, has_experts=has_experts) if axis not in available]
+    chosen, missing, packages = [], [], []
+    for axis in required_axes(config, has_experts=has_experts):
+        if axis in available:
+            chosen.append(available[axis])
+            continue
+        packages.append((axis, PACKAGE_FOR_AXIS[axis]))
+        missing.append(Problem(
+            *_setting(config, axis), f"no installed package provides the {axis} axis"
+            + (" (a mixture-of-experts model trains with its router losses)"
+               if axis == "expert" and has_experts else ""),
+            f"pip install {PACKAGE_FOR_AXIS[axis]}"))
+    return Resolution(apply_order(chosen), tuple(missing), tuple(packages))
 
 
 def resolve_strategies(config: ParallelConfig, pm: pluggy.PluginManager, *,
                        has_experts: bool = False, problems: list[Problem] | None = None,
-                       ) -> list[type[Strategy]]:
-    """The strategy classes to apply, in phase order. A missing axis raises
-    :class:`MissingAxisPackageError` naming its package, together with ``problems`` (the
-    configuration's other problems, so one message says everything)."""
-    available = collect_strategies(pm)
-    chosen = []
-    for axis in required_axes(config, has_experts=has_experts):
-        if axis not in available:
-            found = [*missing_axes(config, pm, has_experts=has_experts), *(problems or [])]
-            raise MissingAxisPackageError(axis, PACKAGE_FOR_AXIS[axis], found)
-        chosen.append(available[axis])
-    return sorted(chosen, key=lambda cls: (cls.phase, cls.axis))
-
-
-def installed_strategies(config: ParallelConfig, pm: pluggy.PluginManager, *,
-                         has_experts: bool = False) -> list[type[Strategy]]:
-    """The required strategies whose package is installed, in phase order (their
-    ``check_model`` runs even when another axis' package is missing)."""
-    available = collect_strategies(pm)
-    return sorted((available[a] for a in required_axes(config, has_experts=has_experts)
-                   if a in available), key=lambda cls: (cls.phase, cls.axis))
+                       ) -> tuple[type[Strategy], ...]:
+    """The strategy classes to apply, in apply order; a missing axis raises
+    :class:`MissingAxisPackageError` naming its package (see :meth:`Resolution.require`)."""
+    return resolve(config, pm, has_experts=has_experts).require(problems)

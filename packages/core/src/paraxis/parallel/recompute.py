@@ -9,9 +9,10 @@
   at module granularity: the block's projections are recomputed too).
 * ``none``: nothing.
 
-The layers are the plan's layer list (the ModuleList of the pipeline plan), else the
-model's longest ModuleList; on a pipeline stage only the layers it runs (each chunk's,
-under an interleaved schedule), never the stand-ins for other stages' layers.
+The layers, and each layer's attention (its first sequence mixer: a linear-attention or
+state-space layer recomputes its mixer), are the model's anatomy's
+(:mod:`paraxis.parallel.anatomy`); on a pipeline stage only the layers it runs (each
+chunk's, under an interleaved schedule), never the stand-ins for other stages' layers.
 Recomputation replays every RNG stream an axis registered (the tensor-parallel dropout
 stream included) from its state at the forward, so dropout masks match; torch's
 checkpoint replays the default generator itself.
@@ -21,43 +22,26 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from paraxis.parallel.model_plan import ModelPlan, PlanError
-from paraxis.parallel.stages import PipelineChunks, chunks_of, owned_layers
+from paraxis.parallel.anatomy import Anatomy
+from paraxis.parallel.model_plan import PlanError
+from paraxis.parallel.stages import chunks_of
 from paraxis.parallel.strategy import ApplyContext, Phase, Strategy
 
-__all__ = ["ActivationCheckpointing", "layer_list"]
+__all__ = ["ActivationCheckpointing"]
 
 
-def layer_list(model: nn.Module, plan: ModelPlan | None) -> list[nn.Module]:
-    """The layers of ``model`` (one stage, or the whole model) that it runs itself."""
-    if plan is not None:
-        for name in plan.pipeline:
-            try:
-                module = model.get_submodule(name)
-            except AttributeError:
-                continue
-            if isinstance(module, nn.ModuleList):
-                return owned_layers(module)
-    lists = [m for m in model.modules()
-             if isinstance(m, nn.ModuleList) and not isinstance(m, PipelineChunks)]
-    if not lists:
-        raise PlanError(f"{type(model).__name__}: no layer list to checkpoint")
-    return owned_layers(max(lists, key=len))
-
-
-def _attention_of(layer: nn.Module) -> nn.Module:
-    for name, child in layer.named_children():
-        if name.endswith(("attn", "attention")):
-            return child
-    raise PlanError(f"{type(layer).__name__}: no attention block (a child named *attn or "
-                    "*attention) for selective recomputation; use full")
+def _attention_of(anatomy: Anatomy, index: int, layer: nn.Module) -> nn.Module:
+    mixers = anatomy.parts[index].sequence_mixers
+    if not mixers:
+        raise PlanError(f"{type(layer).__name__} (layer {index}): no attention block or "
+                        "other sequence mixer for selective recomputation; use full")
+    return layer.get_submodule(mixers[0])
 
 
 class _Replay:
@@ -111,11 +95,9 @@ class ActivationCheckpointing(Strategy):
     takes_meta = True  # it wraps forwards and reads no parameter
 
     def apply(self, model: nn.Module, ctx: ApplyContext) -> nn.Module:
-        mode = ctx.config.schedule.activation_checkpointing
-        plan = ctx.plan if isinstance(ctx.plan, ModelPlan) else None
-        pick: Callable[[nn.Module], nn.Module] = (
-            _attention_of if mode == "selective" else (lambda layer: layer))
+        selective = ctx.config.schedule.activation_checkpointing == "selective"
         for chunk in chunks_of(model):
-            for layer in layer_list(chunk, plan):
-                _wrap(pick(layer), ctx.rng_streams)
+            for index, layer in ctx.anatomy.owned_layers(chunk):
+                target = _attention_of(ctx.anatomy, index, layer) if selective else layer
+                _wrap(target, ctx.rng_streams)
         return model

@@ -34,39 +34,19 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from paraxis.parallel.model_plan import ModelPlan, PlanError
+from paraxis.parallel.anatomy import Anatomy
+from paraxis.parallel.model_plan import PlanError
+from paraxis.parallel.standins import Absent, SkipLayer
 
 __all__ = [
-    "Absent",
     "PipelineChunks",
-    "SkipLayer",
     "StageCalls",
     "StageParityError",
-    "StageSpec",
     "build_stage",
     "check_stages",
     "chunks_of",
-    "owned_layers",
     "tied_parameters",
 ]
-
-
-class SkipLayer(nn.Module):
-    """Stands for a layer another stage owns: returns its hidden-state input."""
-
-    def __init__(self, index: int):
-        super().__init__()
-        self.index = index
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return args[0] if args else kwargs["hidden_states"]
-
-    def extra_repr(self) -> str:
-        return f"layer {self.index} lives on another stage"
-
-
-class AbsentModuleError(PlanError, AttributeError):
-    """A stage's forward used a module another stage owns."""
 
 
 class StageParityError(PlanError):
@@ -74,31 +54,6 @@ class StageParityError(PlanError):
     other logits): a defect nobody diagnosed, not a feature a plan declines. The
     coverage matrix counts it as a failure; a known cause belongs in the plan's
     ``unsupported`` (refused at preflight with the cause in words)."""
-
-
-class Absent(nn.Module):
-    """Stands for a module another stage owns; using it is a bug, said plainly."""
-
-    def __init__(self, name: str):
-        super().__init__()
-        self.name = name
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise AbsentModuleError(f"{self.name} lives on another pipeline stage, but this "
-                                "stage's forward called it")
-
-    def __getattr__(self, item: str) -> Any:
-        try:
-            return super().__getattr__(item)
-        except AttributeError:
-            if item.startswith("_"):
-                raise
-            raise AbsentModuleError(f"{self.__dict__.get('name')} lives on another pipeline "
-                                    f"stage, but this stage's forward used its {item!r}"
-                                    ) from None
-
-    def extra_repr(self) -> str:
-        return f"{self.name} lives on another stage"
 
 
 class StageCalls(Protocol):
@@ -109,37 +64,6 @@ class StageCalls(Protocol):
     def logits(self, model: nn.Module, **kwargs: Any) -> torch.Tensor: ...
 
     def hidden(self, model: nn.Module, **kwargs: Any) -> torch.Tensor: ...
-
-
-@dataclass(frozen=True)
-class StageSpec:
-    """The roles of the pipeline plan's entries, in forward order."""
-
-    layers: str
-    embedding: str | None
-    before: tuple[str, ...]
-    after: tuple[str, ...]
-    head: str | None
-
-    @classmethod
-    def from_plan(cls, model: nn.Module, plan: ModelPlan) -> StageSpec:
-        names = list(plan.pipeline)
-        lists = [n for n in names if isinstance(_get(model, n), nn.ModuleList)]
-        if not lists:
-            raise PlanError(f"{plan.model_class}: the pipeline plan names no layer list")
-        at = names.index(lists[0])
-        embedding = next((n for n in names[:at] if "input_ids" in plan.pipeline[n][0]), None)
-        head = next((n for n in names[at + 1:] if "logits" in plan.pipeline[n][1]), None)
-        return cls(layers=lists[0], embedding=embedding,
-                   before=tuple(n for n in names[:at] if n != embedding),
-                   after=tuple(n for n in names[at + 1:] if n != head), head=head)
-
-
-def _get(model: nn.Module, name: str) -> nn.Module | None:
-    try:
-        return model.get_submodule(name)
-    except AttributeError:
-        return None
 
 
 def _shallow(module: nn.Module) -> nn.Module:
@@ -181,41 +105,42 @@ def _stage_forward(self: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Ten
     return info.calls.logits(self, **kwargs) if info.last else info.calls.hidden(self, **kwargs)
 
 
-def build_stage(model: nn.Module, spec: StageSpec, layers: tuple[int, int], *, first: bool,
-                last: bool, calls: StageCalls, in_place: bool = False) -> nn.Module:
+def build_stage(model: nn.Module, anatomy: Anatomy, layers: tuple[int, int], *,
+                first: bool, last: bool, calls: StageCalls, in_place: bool = False,
+                ) -> nn.Module:
     """The stage of ``model`` running layers ``[a, b)`` (plus the embedding if ``first``
     and the final modules and head if ``last``). A shallow copy sharing the model's
     modules, unless ``in_place`` rewrites the model itself (one stage per rank: what it
     does not own is freed). Module names stay the model's, so plans still match."""
     stage = model if in_place else _shallow(model)
     copied: dict[str, nn.Module] = {}
-    layer_list = _get(model, spec.layers)
-    assert isinstance(layer_list, nn.ModuleList)
     a, b = layers
     kept = nn.ModuleList(layer if a <= i < b else SkipLayer(i)
-                         for i, layer in enumerate(layer_list))
-    _replace(stage, spec.layers, kept, copied, in_place)
+                         for i, layer in enumerate(anatomy.layer_list(model)))
+    assert anatomy.layers is not None  # layer_list raised otherwise
+    _replace(stage, anatomy.layers, kept, copied, in_place)
     if not first:
-        if spec.embedding:
-            _replace(stage, spec.embedding, Absent(spec.embedding), copied, in_place)
-        for name in spec.before:
+        if anatomy.embedding:
+            _replace(stage, anatomy.embedding, Absent(anatomy.embedding), copied, in_place)
+        for name in anatomy.before:
             _replace(stage, name, nn.Identity(), copied, in_place)
     if not last:
-        for name in spec.after:
+        for name in anatomy.after:
             _replace(stage, name, nn.Identity(), copied, in_place)
-        if spec.head:
-            _replace(stage, spec.head, Absent(spec.head), copied, in_place)
+        if anatomy.head:
+            _replace(stage, anatomy.head, Absent(anatomy.head), copied, in_place)
     stage._paraxis_stage = _StageInfo(first, last, layers, calls)
     stage.forward = types.MethodType(_stage_forward, stage)
     return stage
 
 
-def tied_parameters(model: nn.Module, spec: StageSpec) -> list[nn.Parameter]:
+def tied_parameters(model: nn.Module, anatomy: Anatomy) -> list[nn.Parameter]:
     """Parameters the embedding and the head share (tied word embeddings)."""
-    if not (spec.embedding and spec.head):
+    embedding, head = anatomy.embedding_of(model), anatomy.head_of(model)
+    if embedding is None or head is None:
         return []
-    embedding = {id(p) for p in model.get_submodule(spec.embedding).parameters()}
-    return [p for p in model.get_submodule(spec.head).parameters() if id(p) in embedding]
+    held = {id(p) for p in embedding.parameters()}
+    return [p for p in head.parameters() if id(p) in held]
 
 
 @contextlib.contextmanager
@@ -230,7 +155,7 @@ def _evaluating(model: nn.Module) -> Any:
             m.train(mode)
 
 
-def check_stages(model: nn.Module, spec: StageSpec, ranges: list[tuple[int, int]],
+def check_stages(model: nn.Module, anatomy: Anatomy, ranges: list[tuple[int, int]],
                  calls: StageCalls, *, vocab: int, rtol: float,
                  forward_kwargs: dict[str, Any] | None = None) -> None:
     """Run a probe batch through every stage in turn, on this rank alone, and compare the
@@ -251,7 +176,7 @@ def check_stages(model: nn.Module, spec: StageSpec, ranges: list[tuple[int, int]
         x = ids
         try:
             for s, layers in enumerate(ranges):
-                stage = build_stage(model, spec, layers, first=s == 0,
+                stage = build_stage(model, anatomy, layers, first=s == 0,
                                     last=s == len(ranges) - 1, calls=calls)
                 x = stage(x, **kwargs)
         except Exception as exc:
@@ -280,6 +205,4 @@ def chunks_of(model: nn.Module) -> list[nn.Module]:
     return list(model) if isinstance(model, PipelineChunks) else [model]
 
 
-def owned_layers(layer_list: nn.ModuleList) -> list[nn.Module]:
-    """The layers of ``layer_list`` this stage runs (its SkipLayers left out)."""
-    return [layer for layer in layer_list if not isinstance(layer, SkipLayer)]
+

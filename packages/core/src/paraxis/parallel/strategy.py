@@ -10,6 +10,9 @@ Core, not plugin load order, decides the order (DESIGN section 4), as torchtitan
 2. PARTITION  tensor/sequence, expert, context: rewrite modules on one stage;
 3. WRAP       activation checkpointing: wraps the partitioned blocks;
 4. DATA       replicate (dp) or shard (zero) over data: sees final parameter shapes.
+
+Within a phase each strategy declares its place (:attr:`Strategy.order`, lower first;
+docs/architecture.md lists them and why).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 from torch import nn
 
 from paraxis.config.errors import Problem
+from paraxis.parallel.anatomy import Anatomy
 from paraxis.parallel.aux_losses import AuxLosses
 from paraxis.parallel.batch import Batch
 
@@ -118,6 +122,9 @@ class ApplyContext:
     config: ParallelConfig
     plan: object | None = None
     plugin_manager: Any = None
+    # What the model is made of (paraxis.parallel.anatomy), found once before any group
+    # exists; the one answer to "which module is the head, which are the layers".
+    anatomy: Anatomy = field(default_factory=lambda: Anatomy.unknown("no model"))
     # The strategy instances applied, in phase order.
     strategies: list[Strategy] = field(default_factory=list)
     # Finished by the engine in SyncOrder, stable within one order.
@@ -180,6 +187,9 @@ class Strategy:
 
     axis: ClassVar[str]
     phase: ClassVar[Phase]
+    # The strategy's place within its phase, lower first (engine.resolve.apply_order
+    # refuses two of one phase with the same order).
+    order: ClassVar[int] = 0
     # A WRAP or DATA strategy that may see a deferred model's parameters still on the
     # meta device (see MATERIALIZE_ATTR): it needs no storage (activation checkpointing)
     # or materializes what it keeps itself (ZeRO-3). Core materializes after it.
@@ -202,12 +212,13 @@ class Strategy:
         return None
 
     @classmethod
-    def check_model(cls, model: nn.Module, config: ParallelConfig,
-                    plan: object | None) -> list[Problem]:
+    def check_model(cls, model: nn.Module, config: ParallelConfig, plan: object | None,
+                    anatomy: Anatomy) -> list[Problem]:
         """What this axis cannot do with ``model`` (a module layout it does not know),
-        found by looking at the module tree before any process group exists. Called by
-        ``parallelize`` on every resolved strategy; all problems are raised together as
-        one :class:`~paraxis.config.errors.ConfigError`. Default: none."""
+        found by looking at the module tree (and its ``anatomy``) before any process
+        group exists. Called by ``parallelize`` on every resolved strategy; all problems
+        are raised together as one :class:`~paraxis.config.errors.ConfigError`.
+        Default: none."""
         return []
 
 

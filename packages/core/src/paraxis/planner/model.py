@@ -8,8 +8,8 @@ builds its own ``tiny`` family. Parameters are then counted by where they live:
 * ``embedding``: everything registered before the layer list (token and position
   embeddings), held by the first pipeline stage;
 * ``layers``: per layer, its matrices, its vectors (norms, biases) and its expert
-  parameters (any parameter under a module named ``experts``; shared experts and the
-  router are dense);
+  parameters (a block's routed experts, as the model's anatomy names them; shared
+  experts and the router are dense);
 * ``final`` and ``head``: what comes after the layer list (final norm) and the output
   projection, held by the last stage; a head tied to the embedding is counted once
   (``tied``), as :meth:`torch.nn.Module.parameters` does.
@@ -29,6 +29,9 @@ from torch import nn
 
 from paraxis.config.shape import ModelShape, config_size
 from paraxis.engine.metrics import non_embedding_params
+from paraxis.engine.plugins import make_plugin_manager
+from paraxis.parallel.anatomy import Anatomy, find_anatomy
+from paraxis.parallel.model_plan import find_plan
 from paraxis.planner.units import PlanInputError, fmt_count
 
 __all__ = ["LayerCount", "ModelCounts", "ModelSource", "build_on_meta", "count_model",
@@ -187,38 +190,31 @@ def build_on_meta(source: ModelSource, plugin_manager: Any) -> nn.Module:
     return model
 
 
-def _layer_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The outermost ModuleList (the longest among equals): the decoder layers, not a
-    layer's list of experts, which may be longer."""
-    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
-    if not lists:
+def count_model(model: nn.Module, family: str, seq: int | None = None,
+                anatomy: Anatomy | None = None) -> ModelCounts:
+    """Count ``model``'s parameters by module (see the module docstring); its
+    ``anatomy`` (found through the installed plugins' plan when not given) says which
+    modules are the layers, the head and the routed experts."""
+    if anatomy is None:
+        anatomy = find_anatomy(model, find_plan(model, make_plugin_manager(), None))
+    if anatomy.layers is None:
         raise PlanInputError(f"{type(model).__name__} has no layer list (nn.ModuleList) "
                              "to count layers in")
-    return min(lists, key=lambda item: (item[0].count("."), -len(item[1])))
-
-
-def _output_module(model: nn.Module) -> nn.Module | None:
-    getter = getattr(model, "get_output_embeddings", None)
-    out = getter() if callable(getter) else None
-    return out or getattr(model, "lm_head", None) or getattr(model, "head", None)
-
-
-def count_model(model: nn.Module, family: str, seq: int | None = None) -> ModelCounts:
-    """Count ``model``'s parameters by module (see the module docstring)."""
-    list_name, layers = _layer_list(model)
+    list_name, layers = anatomy.layers, anatomy.layer_list(model)
     per_layer = [[0, 0, 0] for _ in layers]
-    out = _output_module(model)
+    out = anatomy.head_of(model)
     head_ids = {id(p) for p in out.parameters()} if out is not None else set()
     input_ids = {id(p) for m in model.modules() if isinstance(m, nn.Embedding)
                  for p in m.parameters()}
+    routed = tuple(f"{r}." for r in anatomy.routed)
     embedding = final = head = 0
     seen_layer = False
     for name, param in model.named_parameters():  # tied parameters appear once
         n = param.numel()
         if name.startswith(list_name + "."):
             seen_layer = True
-            index, _, rest = name[len(list_name) + 1:].partition(".")
-            kind = 2 if "experts" in rest.split(".") else (0 if param.ndim >= 2 else 1)
+            index = name[len(list_name) + 1:].partition(".")[0]
+            kind = 2 if name.startswith(routed) else (0 if param.ndim >= 2 else 1)
             per_layer[int(index)][kind] += n
         elif id(param) in input_ids or not seen_layer:
             embedding += n
@@ -229,10 +225,10 @@ def count_model(model: nn.Module, family: str, seq: int | None = None) -> ModelC
     tied = bool(head_ids & input_ids)
     return _with_shape(model, family, seq, embedding=embedding, final=final, head=head,
                        tied=tied, layers=tuple(LayerCount(*c) for c in per_layer),
-                       block=_block_kind(model, layers))
+                       block=_block_kind(model, anatomy))
 
 
-def _block_kind(model: nn.Module, layers: nn.ModuleList) -> str:
+def _block_kind(model: nn.Module, anatomy: Anatomy) -> str:
     """"llama" when every layer has exactly two RMSNorms, a gated MLP (gate and up
     projections) and the model runs fused attention without dropout; these are the
     layers :mod:`paraxis.planner.activations` counts exactly."""
@@ -240,13 +236,8 @@ def _block_kind(model: nn.Module, layers: nn.ModuleList) -> str:
     if getattr(cfg, "_attn_implementation", None) != "sdpa" or \
             float(getattr(cfg, "attention_dropout", 0.0) or 0.0):
         return "korthikanti"
-    for layer in layers:
-        names = {n.rpartition(".")[2] for n, _ in layer.named_modules()}
-        names |= {n.rpartition(".")[2] for n, _ in layer.named_parameters()}
-        norms = sum(type(m).__name__.endswith("RMSNorm") for m in layer.modules())
-        gated = bool(names & {"gate_proj", "gate_up_proj", "w1"})
-        if norms != 2 or not gated:
-            return "korthikanti"
+    if any(part.rms_norms != 2 or not part.gated_mlp for part in anatomy.parts):
+        return "korthikanti"
     return "llama"
 
 
