@@ -32,7 +32,7 @@ from paraxis.engine.metrics import non_embedding_params
 from paraxis.planner.units import PlanInputError, fmt_count
 
 __all__ = ["LayerCount", "ModelCounts", "ModelSource", "build_on_meta", "count_model",
-           "load_model_source"]
+           "layer_list", "load_model_source"]
 
 # Keys of a config.json that describe the file, not the model, or would make
 # from_config do more than build (quantization).
@@ -187,7 +187,7 @@ def build_on_meta(source: ModelSource, plugin_manager: Any) -> nn.Module:
     return model
 
 
-def _layer_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
+def layer_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """The outermost ModuleList (the longest among equals): the decoder layers, not a
     layer's list of experts, which may be longer."""
     lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
@@ -205,7 +205,7 @@ def _output_module(model: nn.Module) -> nn.Module | None:
 
 def count_model(model: nn.Module, family: str, seq: int | None = None) -> ModelCounts:
     """Count ``model``'s parameters by module (see the module docstring)."""
-    list_name, layers = _layer_list(model)
+    list_name, layers = layer_list(model)
     per_layer = [[0, 0, 0] for _ in layers]
     out = _output_module(model)
     head_ids = {id(p) for p in out.parameters()} if out is not None else set()
