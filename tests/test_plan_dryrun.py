@@ -166,3 +166,36 @@ def test_cut_problems_name_each_disagreement():
     apart = cut_problems({0: [((0, 1),), ((0,),)], 1: [((2, 3),)] * 2}, plan,
                          num_layers=4, hidden=64, vocab=0)
     assert any("different layers" in p for p in apart), apart
+
+
+RUN_YAML = """
+parallelism: {data: 2, tensor: 2, pipeline: 2, zero: 1}
+schedule: {microbatches: 4}
+model:
+  family: llama
+  config: {hidden_size: 256, intermediate_size: 704, num_hidden_layers: 8,
+           num_attention_heads: 8, num_key_value_heads: 4, vocab_size: 32000,
+           max_position_embeddings: 512, torch_dtype: bfloat16}
+train: {steps: 10, global_batch: 16, seq_length: 256, precision: bf16, optimizer: sgd}
+data: {source: stdlib, tokenizer: bytes}
+"""
+
+
+def test_train_dry_run_lays_out_the_runs_own_yaml(tmp_path, capsys):
+    """``paraxis train --config F --dry-run``: the YAML's own layout, model and train
+    section (SGD with momentum: 4 bytes of state per parameter, not Adam's 8)."""
+    config = tmp_path / "run.yaml"
+    config.write_text(RUN_YAML)
+    assert main(["train", "--config", str(config), "--dry-run", "--world-size", "8",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    _assert_agrees(out, 0, {"data": 2, "tensor": 2, "pipeline": 2})
+    assert out["config"]["world_size"] == 8 and out["config"]["microbatches"] == 4
+    for r in out["dry_run"]["rows"]:
+        if r["term"] == "optimizer":
+            params = next(p for p in out["dry_run"]["rows"] if p["rank"] == r["rank"]
+                          and p["term"] == "parameters")
+            assert r["planned"] == pytest.approx(params["planned"] / 2)  # ZeRO-1 over 2
+
+    assert main(["train", "--config", str(config), "--dry-run", "--world-size", "4"]) == 1
+    assert "world" in capsys.readouterr().err
