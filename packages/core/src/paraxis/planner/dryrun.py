@@ -155,7 +155,8 @@ def dry_run(plan: Plan, *, build: Callable[[], nn.Module],
                              layout.schedule.microbatches)
     with torch.device("meta"):
         list_name, _ = layer_list(build())
-    rows, layers = [], {}
+    rows: list[DryRow] = []
+    layers: dict[int, list[Chunks]] = {}
     for memory in plan.memory:
         layers[memory.stage] = []
         for which, rank in measured_ranks(layout, memory.stage):
