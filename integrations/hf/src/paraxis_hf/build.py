@@ -37,14 +37,21 @@ def build_causal_lm(family: str, config: dict[str, Any], *, deferred: bool = Fal
 
     With ``deferred=True`` the model is on the meta device until ``paraxis.parallelize``
     gives each rank its own pieces, drawn from ``seed`` (default: the seed torch's
-    global generator was last given, ``torch.initial_seed()``) in ``dtype`` (default:
-    torch's default dtype). Raises ValueError, before any process group, for a family
+    global generator was last given, ``torch.initial_seed()``). Built whole or deferred,
+    the parameters are in ``dtype`` (default: torch's default dtype), whatever the
+    config's ``torch_dtype`` says. Raises ValueError, before any process group, for a family
     whose init cannot be replayed piece by piece (a fill paraxis does not know, a module
     whose buffers cannot be rebuilt), naming the parameters.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model(family, **config)
+    # A config.json's torch_dtype is the dtype its checkpoint was saved in; from_config
+    # would build the parameters in it. paraxis's parameters are the master weights,
+    # fp32 under every train.precision (paraxis.engine.precision), as from_pretrained
+    # builds them: a bf16 torch_dtype once gave bf16 masters, and the dry run 0.5 of
+    # the plan for every parameter and gradient (issue 32).
+    cfg.dtype = dtype or torch.get_default_dtype()
     if not deferred:
         return AutoModelForCausalLM.from_config(cfg)
     from paraxis_hf.init_rules import record_init_rules

@@ -50,9 +50,13 @@ _PADDED = {"colwise_gather_output", "embedding_rowwise"}
 
 def whole_layout(model: nn.Module) -> dict[str, Any]:
     """The whole model's parameters (every name of each, tied ones included), the kind
-    of each module that holds one, the length of each module list and the sizes the
-    stage cut weighs the head by, taken before ``parallelize`` changes it."""
+    of each module that holds one, its list of layers and their number (the model's
+    anatomy names the list; the cut of it is counted here, :func:`expected_stage_ranges`)
+    and the sizes the stage cut weighs the head by, taken before ``parallelize`` changes
+    it."""
     from paraxis.config.shape import config_size
+    from paraxis.parallel.anatomy import find_anatomy
+    from paraxis_hf.plan import hf_plan
 
     config = getattr(model, "config", None)
     names: dict[int, list[str]] = {}
@@ -64,9 +68,10 @@ def whole_layout(model: nn.Module) -> dict[str, Any]:
                  "embedding" if isinstance(m, nn.Embedding) else "")
              for n, m in model.named_modules()}
     sizes = {s: config_size(config, s) for s in ("hidden_size", "vocab_size")}
+    anatomy = find_anatomy(model, hf_plan(model))
     return {"params": [(names[k], tuple(p.shape), p.element_size())
                        for k, p in params.items()], "kinds": kinds,
-            "lists": {n: len(m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList)},
+            "lists": {anatomy.layers: anatomy.num_layers} if anatomy.layers else {},
             **{s: v if isinstance(v, int) else 0 for s, v in sizes.items()}}
 
 

@@ -106,6 +106,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     config = _load_or_report(args)
     if config is None:
         return 1
+    if args.dry_run:
+        return _dry_run(config, args)
     if args.device_memory and "RANK" not in os.environ:  # refuse before any rank starts
         refusal = _too_big(config, args)
         if refusal:
@@ -128,6 +130,26 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except (ConfigError, LockedError) as exc:
         print(f"{args.config}: {exc}", file=sys.stderr)
         return 1
+
+
+def _dry_run(config: RunConfig, args: argparse.Namespace) -> int:
+    """``train --dry-run``: the run's own layout planned and built on the meta device in a
+    fake process group (paraxis.planner.dryrun); nothing is launched or trained."""
+    from paraxis.planner.cli import train_dry_run
+    from paraxis.train.build import build_model, model_spec
+    from paraxis.train.data import load_tokenizer
+
+    if "RANK" in os.environ:
+        print(f"{args.config}: --dry-run builds its own fake world; run it outside "
+              "torchrun", file=sys.stderr)
+        return 1
+    spec = model_spec(config, load_tokenizer(config.data.tokenizer).vocab_size)
+    pm = make_plugin_manager()
+
+    def build() -> object:  # as the run builds it (train.loop.start), deferred
+        return build_model(spec, pm, seed=config.train.seed, deferred=True)
+
+    return train_dry_run(config, build=build, as_json=args.json)
 
 
 def _train_here(config: RunConfig) -> int:
@@ -172,6 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=50")
     tr.add_argument("--device-memory", help="refuse, before any rank starts, a layout the "
                     "plan says needs more than this per rank, e.g. 80GB")
+    tr.add_argument("--dry-run", action="store_true", help="train nothing: plan the "
+                    "config's layout and build it for the first and last rank of each "
+                    "pipeline stage on the meta device in a fake process group, compare "
+                    "(exit 1 when they disagree)")
+    tr.add_argument("--world-size", type=int, default=None, help="with --dry-run: the "
+                    "world the layout must fill (checked against the degrees)")
+    tr.add_argument("--json", action="store_true", help="with --dry-run: one JSON object")
     add_launch_arguments(tr)
     tr.set_defaults(func=_cmd_train)
     add_plan_parser(sub)

@@ -135,7 +135,8 @@ class Engine:
         self.tracer.add("grad_sync_wait", "comm", self.ctx.finish_grad_sync())
         norm = self._clip_and_step()
         # Measured before zero_grad: gradient buffers are model state too.
-        memory = memory_stats(self.model, self.optimizer, self.device)
+        memory = memory_stats(self.model, self.optimizer, self.device,
+                              tuple(self.ctx.grad_syncs))
         with self.tracer.span("optimizer"):
             self.optimizer.zero_grad(set_to_none=True)
             lr = self.optimizer.param_groups[0]["lr"]

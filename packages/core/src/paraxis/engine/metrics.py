@@ -31,7 +31,7 @@ from paraxis.parallel.placement import placement_of
 from paraxis.runtime.comm_stats import CommStats
 
 __all__ = ["Tracer", "flops_per_token", "memory_stats", "mfu", "model_flops_per_token",
-           "non_embedding_params", "peak_rss_bytes", "step_metrics"]
+           "non_embedding_params", "peak_rss_bytes", "step_metrics", "tensors_held_by"]
 
 
 @dataclass
@@ -150,19 +150,49 @@ def step_metrics(comm: CommStats, comm_mark: Any, *, step: int, loss: float, nor
     return out
 
 
+def tensors_held_by(obj: Any, depth: int = 5, seen: set[int] | None = None,
+                    ) -> Iterator[torch.Tensor]:
+    """Every tensor one of paraxis's own objects holds, through its attributes and
+    containers (a gradient synchronizer's buckets, flat gradient buffers, reduce-scatter
+    staging); not through modules (their parameters are counted as such), nor the grid."""
+    from paraxis.runtime.grid import AxisGroup, Grid
+
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth < 0:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        return
+    if isinstance(obj, nn.Module | Grid | AxisGroup):
+        return
+    if isinstance(obj, dict):
+        children: Any = obj.values()
+    elif isinstance(obj, list | tuple | set):
+        children = obj
+    elif type(obj).__module__.startswith("paraxis") and hasattr(obj, "__dict__"):
+        children = vars(obj).values()
+    else:
+        return
+    for child in children:
+        yield from tensors_held_by(child, depth - 1, seen)
+
+
 def memory_stats(model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                 device: torch.device) -> dict[str, float]:
+                 device: torch.device, holders: tuple[Any, ...] = ()) -> dict[str, float]:
     """Peak memory of this rank: the CUDA allocator's peak on GPU; on CPU the bytes of
     model state and the process's peak RSS.
 
     Model state is every storage behind the model's parameters and their gradients, the
-    optimizer's parameters (a ZeRO optimizer's shards) and their gradients, and the
-    optimizer state, each storage counted once: a view (a gradient inside a bucket, a
-    shard inside a parameter) adds nothing, the flat buffer behind it is counted whole.
-    The engine measures before ``zero_grad``, so gradient buffers count."""
+    optimizer's parameters (a ZeRO optimizer's shards) and their gradients, the
+    optimizer state, and every tensor the ``holders`` (the gradient synchronizers) keep
+    (ZeRO-1's reduce-scatter staging is behind no gradient; issue 32), each storage
+    counted once: a view (a gradient inside a bucket, a shard inside a parameter) adds
+    nothing, the flat buffer behind it is counted whole. The engine measures before
+    ``zero_grad``, so gradient buffers count."""
     if device.type == "cuda":
         return {"peak_alloc_bytes": float(torch.cuda.max_memory_allocated(device))}
-    tensors: list[torch.Tensor | None] = []
+    tensors: list[torch.Tensor | None] = [t for h in holders for t in tensors_held_by(h)]
     for p in model.parameters():
         tensors += [p, p.grad]
     if optimizer is not None:

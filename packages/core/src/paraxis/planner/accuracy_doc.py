@@ -64,9 +64,18 @@ def markdown(rows: list[Any], command: str, *, cases: Any, bound: float) -> str:
 APPROXIMATIONS = """What remains approximate:
 
 - Model state: the plan leaves out Adam's step counters (4 bytes per parameter tensor)
-  and ZeRO's padding of a flat shard to a multiple of the degree; it keeps every
-  vector (norms and biases) whole on each tensor rank, an upper bound for Qwen2's
-  q/k/v biases, which are sharded.
+  and the padding of a dense tensor's rows to a multiple of the ZeRO degree (a fused
+  expert tensor's, one row per local expert, is counted); it keeps every vector (norms
+  and biases) whole on each tensor rank, an upper bound for Qwen2's q/k/v biases, which
+  are sharded. Both sides count ZeRO-1's reduce-scatter landing buffer (the rank's
+  shard of every gradient): the engine's `model_state_bytes` reads the gradient
+  synchronizers' buffers too (issue 32).
+- At any world size, model state per stage is checked on the meta device instead:
+  `paraxis plan --dry-run` / `paraxis train --config F --dry-run` lay out the first and
+  last rank of every stage for real and compare parameters, gradient buffers and
+  optimizer state with the plan within 2%, and the stage cut apart from the split
+  function (`tests/test_plan_dryrun.py`: Meta-Llama-3-70B's config.json, bf16
+  `torch_dtype`, on 512 ranks).
 - Activations are counted exactly for Llama-style layers (RMSNorm, fused attention,
   gated MLP, no dropout; `paraxis.planner.activations`); other families keep
   Korthikanti et al.'s GPT-3 constants. Small per-step tensors (targets, the

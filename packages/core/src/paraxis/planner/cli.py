@@ -10,8 +10,11 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from paraxis.config.parallel import AXES, PIPELINE_SCHEDULES
 from paraxis.parallel.optimizers import optimizer_state_bytes
@@ -30,7 +33,7 @@ from paraxis.planner.units import (
     parse_flops,
 )
 
-__all__ = ["add_plan_parser", "fit_warning", "run_plan"]
+__all__ = ["add_plan_parser", "fit_warning", "run_plan", "run_workload", "train_dry_run"]
 
 HEADROOM = 0.1
 
@@ -72,8 +75,9 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--explain", action="store_true", help="answer the seed's checks")
     p.add_argument("--svg", metavar="FILE", help="write memory and communication as SVG")
     p.add_argument("--dry-run", action="store_true",
-                   help="also lay the model out for one rank of each stage on the meta "
-                        "device in a fake process group and compare its bytes")
+                   help="also lay the model out for the first and last rank of each stage "
+                        "on the meta device in a fake process group and compare its bytes "
+                        "and its stage cut (exit 1 when they disagree)")
     p.set_defaults(func=run_plan)
 
 
@@ -222,30 +226,76 @@ def _run(args: argparse.Namespace) -> int:
         plan = _evaluate(counts, fixed, args, work, hw, world)
     if args.svg:
         Path(args.svg).write_text(plan_svg(plan))
-    rows = None
+    run = None
     if args.dry_run:
+        from paraxis.engine.plugins import make_plugin_manager
         from paraxis.planner.dryrun import dry_run
 
-        rows = dry_run(load_model_source(args.model), plan)
+        source, pm = load_model_source(args.model), make_plugin_manager()
+        run = dry_run(plan, build=lambda: build_on_meta(source, pm))
     if args.json:
         out = plan.to_json()
         if ranking is not None:
             out["search"] = _ranking_json(ranking, args.top)
-        if rows is not None:
-            out["dry_run"] = [{**vars(r), "ratio": r.ratio} for r in rows]
+        if run is not None:
+            out["dry_run"] = run.to_json()
         print(json.dumps(out, indent=2))
-        return 0
+        return _dry_run_verdict(run, "paraxis plan")
     if ranking is not None:
         print(format_ranking(ranking, world=world, top=args.top, hw=hw))
         print("\nthe best layout, #1:\n")
     print(format_plan(plan))
     if args.explain:
         print("\n" + explain(plan))
-    if rows is not None:
-        from paraxis.planner.dryrun import format_rows
+    if run is not None:
+        from paraxis.planner.dryrun import format_dry_run
 
-        print("\n" + format_rows(rows))
-    return 0
+        print("\n" + format_dry_run(run, plan.layout))
+    return _dry_run_verdict(run, "paraxis plan")
+
+
+def _dry_run_verdict(run: Any, command: str) -> int:
+    """0, or 1 with one line on stderr when the dry run disagrees with the plan."""
+    if run is None or run.ok:
+        return 0
+    from paraxis.planner.dryrun import BOUND
+
+    what = [f"{len(run.off)} row(s) beyond {BOUND:.0%}"] if run.off else []
+    what += ["the stage cut: " + p for p in run.problems]
+    print(f"{command}: the dry run disagrees with the plan: {'; '.join(what)}",
+          file=sys.stderr)
+    return 1
+
+
+def run_workload(config: Any) -> Workload:
+    """The workload of a run config: its sequence, batch, precision, reduction dtype and
+    optimizer, micro-batch from the global batch over replicas and microbatches."""
+    m = config.schedule.microbatches
+    micro = max(1, config.train.global_batch // (config.sample_shards * m))
+    return Workload(seq=config.train.seq_length, global_batch=config.train.global_batch,
+                    micro_batch=micro, precision=config.train.precision,
+                    reduce_dtype=config.parallelism.reduce_dtype,
+                    optimizer_bytes=optimizer_state_bytes(config.train))
+
+
+def train_dry_run(config: Any, *, build: Callable[[], Any], as_json: bool) -> int:
+    """``paraxis train --config F --dry-run``: the run's own layout planned and laid out
+    for real on the meta device (:mod:`paraxis.planner.dryrun`); ``build`` makes the
+    model as the run does. Prints the plan and the dry run; 1 when they disagree."""
+    from paraxis.planner.dryrun import dry_run, format_dry_run
+
+    with torch.device("meta"):
+        model = build()
+    family = getattr(getattr(model, "config", None), "model_type", None) or \
+        config.model.family
+    counts = count_model(model, family, config.train.seq_length)
+    plan = evaluate(counts, config, run_workload(config), Hardware())
+    run = dry_run(plan, build=build, train=config.train)
+    if as_json:
+        print(json.dumps({**plan.to_json(), "dry_run": run.to_json()}, indent=2))
+    else:
+        print(format_plan(plan) + "\n\n" + format_dry_run(run, plan.layout))
+    return _dry_run_verdict(run, "paraxis train --dry-run")
 
 
 def fit_warning(config: Any, *, device_memory: str, model: str | None = None) -> str | None:
@@ -262,14 +312,8 @@ def fit_warning(config: Any, *, device_memory: str, model: str | None = None) ->
         source = ModelSource(config.model.family, dict(config.model.config), "model:", {})
         counts = count_model(build_on_meta(source, make_plugin_manager()), source.family,
                              config.train.seq_length)
-    m = config.schedule.microbatches
-    micro = max(1, config.train.global_batch // (config.sample_shards * m))
-    work = Workload(seq=config.train.seq_length, global_batch=config.train.global_batch,
-                    micro_batch=micro, precision=config.train.precision,
-                    reduce_dtype=config.parallelism.reduce_dtype,
-                    optimizer_bytes=optimizer_state_bytes(config.train))
     hw = Hardware(device_memory=cap, headroom=HEADROOM)
-    plan = evaluate(counts, config, work, hw, simulate=False)
+    plan = evaluate(counts, config, run_workload(config), hw, simulate=False)
     worst = plan.worst
     if plan.fits:
         return None

@@ -11,16 +11,24 @@ recomputed region's own hooks take precedence, so what is counted is what is sto
 (a storage is released when autograd drops the last saved reference to it, after its
 backward): over a whole training step that is the activation memory of the schedule,
 e.g. the p microbatches a 1F1B first stage holds.
+
+:func:`held_model_state` reads the model state a laid-out engine holds from its tensors'
+storages, each storage once (a view, a shard inside a padded parameter or a gradient
+inside a bucket adds nothing): on the meta device too, where it is what
+``paraxis plan --dry-run`` measures. :func:`end_step_without_forward` first runs what a
+step does after its forward and backward, so that every gradient buffer and every piece
+of optimizer state the engine would keep exists where it lives.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["SavedActivations"]
+__all__ = ["HeldState", "SavedActivations", "end_step_without_forward", "held_model_state"]
 
 
 def _key(t: torch.Tensor) -> tuple[str, int]:
@@ -106,3 +114,77 @@ class SavedActivations:
     def __exit__(self, *exc: Any) -> None:
         self._hooks.__exit__(*exc)
         self._hooks = None
+
+
+@dataclass(frozen=True)
+class HeldState:
+    """Bytes of model state one rank holds, each storage counted once."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+
+
+def _storage_id(t: torch.Tensor) -> int:
+    # The storage object's address: a meta tensor has no data pointer (0 for all of
+    # them), but its views share its storage object as a real tensor's do.
+    return t.untyped_storage()._cdata
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor | None],
+                   skip: set[int]) -> tuple[int, set[int]]:
+    """Bytes of the storages behind ``tensors`` not in ``skip``, each once; their ids."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        key = _storage_id(t)
+        if key not in skip and key not in seen:
+            seen[key] = t.untyped_storage().nbytes()
+    return sum(seen.values()), set(seen)
+
+
+def end_step_without_forward(engine: Any) -> None:
+    """The rest of a training step once backward is done, on an engine that ran no
+    forward (a dry run's, on the meta device): every gradient synchronizer finishes as
+    at the end of a step, creating each gradient where it lives (a bucket, a padded
+    stage-1 gradient, a reduce-scattered shard; a parameter backward did not reach is
+    reduced as zeros); a parameter the optimizer steps that no synchronizer gave a
+    gradient gets one from autograd, as backward would; then the optimizer's first step
+    creates its state. Collective (on a fake process group nothing moves).
+
+    The tensor axis' partial-sum synchronizer is left out: it only sums gradients that
+    exist, in place, through a temporary buffer, and tells partial parameters from the
+    gradients' values, which meta tensors do not have."""
+    from paraxis.parallel.optimizers import optimizer_params
+    from paraxis.parallel.strategy import SyncOrder
+
+    for sync in engine.ctx.ordered_syncs():
+        if getattr(sync, "order", SyncOrder.DATA) != SyncOrder.PARTIAL:
+            sync.finish()
+    missing = [p for p in optimizer_params(engine.optimizer)
+               if p.requires_grad and p.grad is None]
+    if missing:  # AccumulateGrad allocates each like its parameter
+        torch.autograd.backward([p.sum() for p in missing])
+    engine.optimizer.step()
+
+
+def held_model_state(engine: Any) -> HeldState:
+    """Parameters (the model's and the optimizer's: a ZeRO shard is a view of a padded
+    parameter, counted with it), gradients (every ``.grad`` of those, and every buffer
+    the gradient synchronizers keep, staging buffers included) and optimizer state, in
+    bytes, from the storages behind ``engine``'s tensors (see the module docstring)."""
+    from paraxis.engine.metrics import tensors_held_by
+    from paraxis.parallel.optimizers import optimizer_params
+
+    params = list({id(p): p for p in [*engine.model.parameters(),
+                                      *optimizer_params(engine.optimizer)]}.values())
+    weights, weight_ids = _storage_bytes(params, set())
+    state = [t for s in engine.optimizer.state.values() for t in s.values()
+             if isinstance(t, torch.Tensor)]
+    optimizer, state_ids = _storage_bytes(state, weight_ids)
+    grads = [p.grad for p in params]
+    for sync in engine.ctx.grad_syncs:
+        grads += list(tensors_held_by(sync))
+    gradients, _ = _storage_bytes(grads, weight_ids | state_ids)
+    return HeldState(float(weights), float(gradients), float(optimizer))

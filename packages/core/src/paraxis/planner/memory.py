@@ -60,27 +60,46 @@ TERMS = ("parameters", "gradients", "optimizer", "activations", "buffers")
 def model_state_bytes(dense: float, expert: float = 0.0, *, zero: int, n_dense: int,
                       n_expert: int = 1, precision: str = "mixed",
                       optimizer_bytes: float | None = None,
-                      expert_rows: int | None = None) -> tuple[float, ...]:
+                      expert_rows: int | None = None, whole: float = 0.0) -> tuple[float, ...]:
     """(weights, gradients, optimizer) bytes of one rank holding ``dense`` and ``expert``
     parameters, ZeRO stage ``zero`` over ``n_dense`` / ``n_expert`` replicas
-    (``optimizer_bytes`` per parameter replaces Adam's K).
+    (``optimizer_bytes`` per parameter replaces Adam's K), and ``whole`` more parameters
+    ZeRO never shards (a word embedding tied across pipeline stages, whose gradient is
+    summed over the two after ZeRO's reduction: :func:`paraxis_zero.whole.keep_whole`;
+    the dry run found it whole, issue 32).
 
     ZeRO shards each tensor along dim 0 in chunks of ``ceil(rows / n)`` rows (FSDP2's
     rule, padding included); a fused expert tensor's dim 0 is the rank's local experts
     (``expert_rows``), so with fewer local experts than replicas a rank keeps
     ``ceil(rows / n) / rows`` of it, not ``1 / n`` (one local expert over 2 replicas:
-    all of it; found by ``paraxis plan --dry-run``)."""
+    all of it; found by ``paraxis plan --dry-run``).
+
+    What paraxis holds (``precision`` bf16, fp16 or fp32; ``mixed`` stays the paper's
+    accounting) adds, under ZeRO 1 and 2, the padding of each tensor it keeps whole to
+    ``n`` such chunks (the model's parameter is a view of that storage, and so is
+    ZeRO-1's whole gradient: one local expert over 2 replicas is held twice over), and
+    under ZeRO-1 the buffer its reduce-scatter lands in, the rank's shard of every
+    gradient (:mod:`paraxis_zero.stage12`; both found by the dry run once it read
+    storages and the synchronizers' buffers, issue 32: gradients at 1.50 of the plan
+    at data 2, a single local expert's parameters at 1.33). Dense matrices' padding
+    (rows not a multiple of ``n``) is left out."""
     w, g, k = BYTES_PER_PARAM[precision]
     k = k if optimizer_bytes is None else optimizer_bytes
     rows = expert_rows or n_expert
     expert_share = math.ceil(rows / n_expert) / rows
+    paraxis = precision != "mixed"
 
     def held(stage: int) -> float:  # the rank's share once ZeRO stage `stage` shards it
         if zero >= stage:
             return dense / n_dense + expert * expert_share
+        if zero and paraxis:  # kept whole in a storage padded to n chunks
+            return dense + expert * expert_share * n_expert
         return dense + expert
 
-    return w * held(3), g * held(2), k * held(1)
+    grads = g * (held(2) + whole)
+    if zero == 1 and paraxis:  # the reduce-scatter's landing buffer
+        grads += g * held(1)
+    return w * (held(3) + whole), grads, k * (held(1) + whole)
 
 
 def layer_activation_bytes(*, s: int, b: int, h: int, a: int, t: int = 1,
@@ -158,8 +177,10 @@ def rank_memory(counts: ModelCounts, layout: ParallelConfig, work: Workload,
     layers = rank_layers(counts, layout, rank)
     first, last = rank == 0, rank == p - 1
     dense, expert = held_params(counts, layers, first, last, t, e, p, par.expert_tensor)
+    # ZeRO keeps an embedding tied across pipeline stages whole, on the first and last.
+    tied = counts.embedding / t if counts.tied and p > 1 and (first or last) else 0.0
     weights, grads, optim = model_state_bytes(
-        dense, expert, zero=par.zero, n_dense=layout.token_replicas,
+        dense - tied, expert, whole=tied, zero=par.zero, n_dense=layout.token_replicas,
         n_expert=layout.token_replicas // e,
         precision=work.precision, optimizer_bytes=work.optimizer_bytes,
         expert_rows=counts.num_experts // e if counts.num_experts else None)
