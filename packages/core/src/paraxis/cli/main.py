@@ -71,7 +71,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 def _warn_if_too_big(config: RunConfig, args: argparse.Namespace) -> int:
     """Warn (exit 0) when the planner says the layout will not fit the device."""
-    from paraxis.planner.cli import fit_warning
+    from paraxis.planner.run_checks import fit_warning
     from paraxis.planner.units import PlanInputError
 
     try:
@@ -89,7 +89,7 @@ def _warn_if_too_big(config: RunConfig, args: argparse.Namespace) -> int:
 def _too_big(config: RunConfig, args: argparse.Namespace) -> str | None:
     """Why ``paraxis train --device-memory`` refuses the layout (the plan says a rank
     would not fit), or None."""
-    from paraxis.planner.cli import fit_warning
+    from paraxis.planner.run_checks import fit_warning
     from paraxis.planner.units import PlanInputError
 
     try:
@@ -135,7 +135,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _dry_run(config: RunConfig, args: argparse.Namespace) -> int:
     """``train --dry-run``: the run's own layout planned and built on the meta device in a
     fake process group (paraxis.planner.dryrun); nothing is launched or trained."""
-    from paraxis.planner.cli import train_dry_run
+    from paraxis.planner.run_checks import train_dry_run
     from paraxis.train.build import build_model, model_spec
     from paraxis.train.data import load_tokenizer
 

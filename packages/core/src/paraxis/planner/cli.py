@@ -10,19 +10,16 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from paraxis.config.parallel import AXES, PIPELINE_SCHEDULES
-from paraxis.parallel.optimizers import optimizer_state_bytes
 from paraxis.planner.evaluate import Plan, evaluate, make_layout, problems
 from paraxis.planner.explain import explain
 from paraxis.planner.inputs import Hardware, Workload
-from paraxis.planner.model import ModelCounts, build_on_meta, count_model, load_model_source
+from paraxis.planner.model import ModelCounts, build_on_meta, load_model_source
 from paraxis.planner.report import format_plan, format_ranking, seed_sentence
+from paraxis.planner.run_checks import HEADROOM, dry_run_verdict, load_counts
 from paraxis.planner.search import Ranking, search, why_slower
 from paraxis.planner.svg import plan_svg
 from paraxis.planner.units import (
@@ -33,9 +30,9 @@ from paraxis.planner.units import (
     parse_flops,
 )
 
-__all__ = ["add_plan_parser", "fit_warning", "run_plan", "run_workload", "train_dry_run"]
+__all__ = ["add_plan_parser", "run_plan"]
 
-HEADROOM = 0.1
+
 
 
 def add_plan_parser(sub: Any) -> None:
@@ -143,14 +140,6 @@ def _workload(args: argparse.Namespace, counts: ModelCounts, defaults: dict[str,
                     precision=args.precision)
 
 
-def _load_counts(model: str, seq: int | None = None) -> tuple[ModelCounts, dict[str, Any]]:
-    from paraxis.engine.plugins import make_plugin_manager
-
-    source = load_model_source(model)
-    built = build_on_meta(source, make_plugin_manager())
-    return count_model(built, source.family, seq), source.defaults
-
-
 def _evaluate(counts: ModelCounts, fixed: dict[str, int], args: argparse.Namespace,
               work: Workload, hw: Hardware, world: int) -> Plan:
     from paraxis.engine.plugins import make_plugin_manager
@@ -217,7 +206,7 @@ def _run(args: argparse.Namespace) -> int:
     hw = _hardware(args)
     fixed = {a: getattr(args, a) for a in AXES if getattr(args, a) is not None}
     world, searching = _world(args, fixed)
-    counts, defaults = _load_counts(args.model, args.seq)
+    counts, defaults = load_counts(args.model, args.seq)
     work = _workload(args, counts, defaults, world)
     ranking = None
     if searching:
@@ -240,7 +229,7 @@ def _run(args: argparse.Namespace) -> int:
         if run is not None:
             out["dry_run"] = run.to_json()
         print(json.dumps(out, indent=2))
-        return _dry_run_verdict(run, "paraxis plan")
+        return dry_run_verdict(run, "paraxis plan")
     if ranking is not None:
         print(format_ranking(ranking, world=world, top=args.top, hw=hw))
         print("\nthe best layout, #1:\n")
@@ -251,81 +240,4 @@ def _run(args: argparse.Namespace) -> int:
         from paraxis.planner.dryrun import format_dry_run
 
         print("\n" + format_dry_run(run, plan.layout))
-    return _dry_run_verdict(run, "paraxis plan")
-
-
-def _dry_run_verdict(run: Any, command: str) -> int:
-    """0, or 1 with one line on stderr when the dry run disagrees with the plan."""
-    if run is None or run.ok:
-        return 0
-    from paraxis.planner.dryrun import BOUND
-
-    what = [f"{len(run.off)} row(s) beyond {BOUND:.0%}"] if run.off else []
-    what += ["the stage cut: " + p for p in run.problems]
-    print(f"{command}: the dry run disagrees with the plan: {'; '.join(what)}",
-          file=sys.stderr)
-    return 1
-
-
-def run_workload(config: Any) -> Workload:
-    """The workload of a run config: its sequence, batch, precision, reduction dtype and
-    optimizer, micro-batch from the global batch over replicas and microbatches."""
-    m = config.schedule.microbatches
-    micro = max(1, config.train.global_batch // (config.sample_shards * m))
-    return Workload(seq=config.train.seq_length, global_batch=config.train.global_batch,
-                    micro_batch=micro, precision=config.train.precision,
-                    reduce_dtype=config.parallelism.reduce_dtype,
-                    optimizer_bytes=optimizer_state_bytes(config.train))
-
-
-def train_dry_run(config: Any, *, build: Callable[[], Any], as_json: bool) -> int:
-    """``paraxis train --config F --dry-run``: the run's own layout planned and laid out
-    for real on the meta device (:mod:`paraxis.planner.dryrun`); ``build`` makes the
-    model as the run does. Prints the plan and the dry run; 1 when they disagree."""
-    from paraxis.planner.dryrun import dry_run, format_dry_run
-
-    with torch.device("meta"):
-        model = build()
-    family = getattr(getattr(model, "config", None), "model_type", None) or \
-        config.model.family
-    counts = count_model(model, family, config.train.seq_length)
-    plan = evaluate(counts, config, run_workload(config), Hardware())
-    run = dry_run(plan, build=build, train=config.train)
-    if as_json:
-        print(json.dumps({**plan.to_json(), "dry_run": run.to_json()}, indent=2))
-    else:
-        print(format_plan(plan) + "\n\n" + format_dry_run(run, plan.layout))
-    return _dry_run_verdict(run, "paraxis train --dry-run")
-
-
-def fit_warning(config: Any, *, device_memory: str, model: str | None = None) -> str | None:
-    """For ``paraxis validate --device-memory``: a warning naming the largest term when
-    the plan says the run's layout will not fit, else None. Raises PlanInputError on an
-    unreadable memory size or a model that cannot be built."""
-    cap = parse_bytes(device_memory)
-    if model:
-        counts, _ = _load_counts(model, config.train.seq_length)
-    else:
-        from paraxis.engine.plugins import make_plugin_manager
-        from paraxis.planner.model import ModelSource
-
-        source = ModelSource(config.model.family, dict(config.model.config), "model:", {})
-        counts = count_model(build_on_meta(source, make_plugin_manager()), source.family,
-                             config.train.seq_length)
-    hw = Hardware(device_memory=cap, headroom=HEADROOM)
-    plan = evaluate(counts, config, run_workload(config), hw, simulate=False)
-    worst = plan.worst
-    if plan.fits:
-        return None
-    term, size = worst.largest
-    fixes = {"activations": "recompute (schedule.activation_checkpointing), sequence "
-             "parallelism or a smaller micro-batch",
-             "optimizer": "parallelism.zero >= 1 or more data-parallel ranks",
-             "gradients": "parallelism.zero >= 2, tensor or pipeline parallelism",
-             "parameters": "tensor or pipeline parallelism, or parallelism.zero: 3",
-             "buffers": "a smaller parallelism.bucket_mb"}
-    return (f"the plan says pipeline stage {worst.stage} needs {fmt_bytes(worst.total)} per "
-            f"device, more than {fmt_bytes(cap)} less {HEADROOM:.0%} headroom for "
-            f"fragmentation and workspaces; the largest term is {term} "
-            f"({fmt_bytes(size)}): try {fixes[term]} (paraxis plan --model ... shows "
-            "the breakdown)")
+    return dry_run_verdict(run, "paraxis plan")
