@@ -3,8 +3,9 @@
 same block of the tensor drawn whole (tiles cut small so that blocks straddle them);
 the rules are the family's (GPT-2's scaled residual projections, zero biases, unit
 norms, a padding row); buffers are the whole model's; what cannot be replayed piece by
-piece is refused by name (Mamba's ``A_log``, copied from an arange), and the trainer
-then builds that family whole."""
+piece is refused by name (OpenAI-GPT's Conv1D weights, drawn by their constructor
+alone), and the trainer then builds that family whole. The recorder itself is tested in
+test_init_rules.py, every family against eager in test_init_every_family.py."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from paraxis_hf.invariant_init import Draw, Fill, InitRule, piece_values
 pytest.importorskip("transformers")
 
 MAMBA = {"hidden_size": 32, "num_hidden_layers": 2, "vocab_size": 128, "state_size": 4}
+OPENAI_GPT = {"n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 128, "n_positions": 64}
 
 
 def whole(rule, shape, seed=1, name="w"):
@@ -88,25 +90,6 @@ def test_each_family_keeps_its_own_rule():
     assert not any("_is_hf_initialized" in m.__dict__ for m in model.modules())
 
 
-def test_an_init_that_cannot_be_replayed_is_refused_by_name():
-    from transformers import AutoConfig
-
-    from paraxis_hf.init_rules import record_init_rules
-    from paraxis_hf.materialize import meta_model
-
-    model, _ = rules_of("llama")
-    for owner in (model, model.model):  # each sub-model dispatches its own
-        owner._init_weights = lambda module: (  # a copy from another tensor
-            module.weight.copy_(torch.eye(*module.weight.shape, device="meta"))
-            if isinstance(module, torch.nn.Linear) else None)
-    refused = r"21 parameter.*embed_tokens.weight: no fill .*down_proj.weight: copy_"
-    with pytest.raises(ValueError, match=refused + ".*deferred=False"):
-        record_init_rules(model)
-    mamba = meta_model(AutoConfig.for_model("mamba", **MAMBA))  # A_log copied from arange
-    with pytest.raises(ValueError, match=r"A_log: copy_"):
-        record_init_rules(mamba)
-
-
 @pytest.mark.parametrize("family", ["gemma2", "llama"])
 def test_buffers_are_computed_as_the_whole_model_computes_them(family):
     """Rotary frequencies, Gemma's embedding scale: real, and the whole model's."""
@@ -131,9 +114,12 @@ def test_the_trainer_builds_families_deferred_and_tiny_whole():
     llama = ModelSection(family="llama", config=DEBUG_CONFIGS["llama"])
     assert deferred(build_model(llama, pm, deferred=True))
     assert not deferred(build_model(llama, pm))
-    with pytest.warns(UserWarning, match="mamba.*built whole"):
-        mamba = build_model(ModelSection(family="mamba", config=MAMBA), pm, deferred=True)
-    assert not deferred(mamba) and not any(p.is_meta for p in mamba.parameters())
+    assert deferred(build_model(ModelSection(family="mamba", config=MAMBA), pm,
+                                deferred=True))  # A_log copied from an arange, kept whole
+    with pytest.warns(UserWarning, match="'openai-gpt' is built whole.*constructor's"):
+        gpt = build_model(ModelSection(family="openai-gpt", config=OPENAI_GPT), pm,
+                          deferred=True)  # Conv1D weights drawn by their constructor only
+    assert not deferred(gpt) and not any(p.is_meta for p in gpt.parameters())
 
 
 def test_fills_through_data_and_torch_init_are_read_with_the_global_shape():

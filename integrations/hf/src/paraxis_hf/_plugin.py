@@ -31,16 +31,15 @@ def paraxis_build_model(family: str, config: dict[str, Any]) -> Any:
 def paraxis_build_deferred(family: str, config: dict[str, Any], seed: int) -> Any:
     import warnings
 
-    from paraxis_hf.build import build_causal_lm, known_family
+    from paraxis_hf.build import deferred_or_reason, known_family
 
     if not known_family(family):
         return None
-    try:
-        return build_causal_lm(family, config, deferred=True, seed=seed)
-    except ValueError as exc:  # the family's init cannot be replayed: built whole
-        warnings.warn(f"model.family {family!r} is built whole on every rank: {exc}",
-                      stacklevel=2)
-        return None
+    model, reason = deferred_or_reason(family, config, seed)
+    if model is None:  # one warning, naming the family and why
+        warnings.warn(f"model.family {family!r} is built whole on every rank, not on the "
+                      f"meta device: {reason}", stacklevel=2)
+    return model
 
 
 @hookimpl

@@ -22,7 +22,7 @@ from torch import nn
 
 from paraxis.parallel.strategy import MATERIALIZE_ATTR
 
-__all__ = ["build_causal_lm", "known_family"]
+__all__ = ["build_causal_lm", "deferred_or_reason", "known_family"]
 
 
 def known_family(family: str) -> bool:
@@ -39,9 +39,9 @@ def build_causal_lm(family: str, config: dict[str, Any], *, deferred: bool = Fal
     gives each rank its own pieces, drawn from ``seed`` (default: the seed torch's
     global generator was last given, ``torch.initial_seed()``). Built whole or deferred,
     the parameters are in ``dtype`` (default: torch's default dtype), whatever the
-    config's ``torch_dtype`` says. Raises ValueError, before any process group, for a family
-    whose init cannot be replayed piece by piece (a fill paraxis does not know, a module
-    whose buffers cannot be rebuilt), naming the parameters.
+    config's ``torch_dtype`` says. Raises ValueError, before any process group, for a
+    family whose init cannot be replayed piece by piece (an init function paraxis has no
+    rule for, a copy from another parameter), naming the parameters and the calls.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -60,10 +60,28 @@ def build_causal_lm(family: str, config: dict[str, Any], *, deferred: bool = Fal
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype or previous)
     try:
-        model = meta_model(cfg)
+        model = meta_model(cfg, untied=True)  # tied after the init, as eager does
     finally:
         torch.set_default_dtype(previous)
-    rules = record_init_rules(model)
     seed = torch.initial_seed() if seed is None else seed
+    rules = record_init_rules(model, seed=seed)
     setattr(model, MATERIALIZE_ATTR, InvariantInit(rules, seed))
     return model
+
+
+def deferred_or_reason(family: str, config: dict[str, Any],
+                       seed: int) -> tuple[nn.Module | None, str]:
+    """What ``paraxis train`` builds for ``family`` (``paraxis_build_deferred``): the
+    model on the meta device, or None and the reason it is built whole instead: any
+    error of the deferred build (an init that cannot be replayed, a constructor that
+    fails on meta), or a parity-probe twin that cannot be built (the probe of a deferred
+    model runs on a twin; a whole model is its own)."""
+    from paraxis.config.parallel import ParallelConfig
+    from paraxis_hf.twin import twin_model
+
+    try:
+        model = build_causal_lm(family, config, deferred=True, seed=seed)
+        twin_model(model, ParallelConfig.from_kwargs())
+    except Exception as exc:  # issue 32: any failure falls back to the whole build
+        return None, str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+    return model, ""

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BLOCK", "Draw", "Fill", "InitRule", "piece_values", "tensor_key"]
+__all__ = ["BLOCK", "Copy", "Draw", "Fill", "InitRule", "piece_values", "tensor_key"]
 
 BLOCK = 1 << 16  # elements per tile: small enough to waste little at a slice's edge
 
@@ -47,13 +47,23 @@ class Fill:
     value: float
 
 
+@dataclass(frozen=True, eq=False)
+class Copy:
+    """Values the family computes whole, from the config and the global RNG seeded
+    with the run's seed (Mamba's ``A_log`` from an arange, its ``dt_bias`` from
+    ``torch.rand``): the same on every rank, and small (``init_rules.COPY_LIMIT``), so
+    every rank holds them whole and keeps its slice."""
+
+    values: torch.Tensor
+
+
 @dataclass(frozen=True)
 class InitRule:
     """How a parameter starts: ``base`` everywhere, then each ``rows`` entry
     ``(start, stop, value)`` sets rows ``[start, stop)`` of dimension 0 to a constant
     (an embedding's padding row)."""
 
-    base: Draw | Fill
+    base: Draw | Fill | Copy
     rows: tuple[tuple[int, int, float], ...] = ()
 
 
@@ -132,11 +142,14 @@ def piece_values(rule: InitRule, *, seed: int, name: str, global_shape: tuple[in
                  where: tuple[slice, ...], dtype: torch.dtype) -> torch.Tensor:
     """Block ``where`` (one contiguous slice per dimension) of tensor ``name`` of
     ``global_shape`` under ``rule``: the same values, bit for bit, whichever rank asks
-    and whatever else it holds. Drawn in fp32, then cast to ``dtype``."""
+    and whatever else it holds. Drawn in fp32 (a :class:`Copy` kept in its own dtype),
+    then cast to ``dtype``."""
     where = tuple(slice(*s.indices(n)) for s, n in zip(where, global_shape, strict=True))
     shape = tuple(s.stop - s.start for s in where)
     if isinstance(rule.base, Fill):
         out = torch.full(shape, rule.base.value, dtype=torch.float32)
+    elif isinstance(rule.base, Copy):  # cast from the source's own dtype, as copy_ does
+        out = rule.base.values[where].to(dtype, copy=True)
     elif math.prod(shape) == 0:
         out = torch.empty(shape, dtype=torch.float32)
     else:

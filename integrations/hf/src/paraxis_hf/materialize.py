@@ -50,36 +50,81 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
-def meta_model(config: Any) -> nn.Module:
+def meta_model(config: Any, *, untied: bool = False) -> nn.Module:
     """``AutoModelForCausalLM.from_config`` with every parameter on the meta device and
     every buffer computed for real: they come from the config, not from a file or a
-    seed, and are small. Modules that hold only buffers (rotary embeddings) are rebuilt
-    from the config; if another module holds both (Gemma's scaled embedding), the model
-    is built a second time with only its parameters on the meta device
-    (:func:`_parameters_on_meta`) and its buffers are taken from there. That second
-    build is kept for those families: its constructors' freed ``torch.empty`` buffers
-    move glibc's mmap threshold, which costs a sharded rank a few MB of heap."""
+    seed, and are small. A module whose subtree holds buffers only (rotary embeddings)
+    is rebuilt from the config; if a module holds parameters too, in itself or its
+    children (Gemma's scaled embedding, BERT's embeddings with their position ids), or
+    its constructor takes more than the config, the model is built a second time with
+    only its parameters on the meta device (:func:`_parameters_on_meta`) and its buffers
+    are taken from there. That second build is kept for those families: its
+    constructors' freed ``torch.empty`` buffers move glibc's mmap threshold, which costs
+    a sharded rank a few MB of heap. With ``untied``, transformers' ``tie_weights`` is
+    skipped (``no_tie_weights``), so that the init can be recorded in eager order
+    (:func:`paraxis_hf.init_rules.record_init_rules` ties afterwards)."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
+    with torch.device("meta"), _no_tie(untied):
         model = AutoModelForCausalLM.from_config(config)
-    mixed = False
-    for name, module in list(model.named_modules()):
-        if any(b.is_meta for b in module.buffers(recurse=False)):
-            if any(True for _ in module.parameters(recurse=False)):
-                mixed = True
-                continue
-            parent, _, attr = name.rpartition(".")
-            owner = model.get_submodule(parent) if parent else model
-            setattr(owner, attr, type(module)(config=getattr(module, "config", config)))
-    if mixed:
-        with _parameters_on_meta():
+    _parameters_to_meta(model)
+    if not _rebuild_buffer_modules(model, config):
+        with _parameters_on_meta(), _no_tie(untied):
             real = dict(AutoModelForCausalLM.from_config(config).named_buffers())
         for name, buffer in list(model.named_buffers()):
             if buffer.is_meta:
                 parent, _, attr = name.rpartition(".")
                 model.get_submodule(parent)._buffers[attr] = real[name]
     return model
+
+
+def _parameters_to_meta(model: nn.Module) -> None:
+    """A parameter a constructor made on the CPU in spite of the meta device (XLNet's
+    ``torch.FloatTensor(...)``, DiffLlama's ``torch.normal(..., size=...)``) moved to
+    it, shared ones shared still: its init is then recorded as any other's."""
+    moved: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and not param.is_meta:
+                if id(param) not in moved:
+                    moved[id(param)] = type(param)(param.to("meta"),
+                                                   requires_grad=param.requires_grad)
+                module._parameters[name] = moved[id(param)]
+
+
+def _no_tie(untied: bool) -> contextlib.AbstractContextManager[Any]:
+    try:
+        from transformers.initialization import no_tie_weights
+    except ImportError:  # transformers 4: tied at build, the last init call wins
+        return contextlib.nullcontext()
+    return no_tie_weights() if untied else contextlib.nullcontext()
+
+
+def _rebuild_buffer_modules(model: nn.Module, config: Any) -> bool:
+    """Each module with meta buffers and no parameters in its subtree, rebuilt from the
+    config with the same buffers, real. False if some module could not be (it holds
+    parameters, its constructor wants more than the config, or the rebuilt module
+    differs): the caller then takes the buffers from a second build."""
+    done: list[str] = []
+    for name, module in list(model.named_modules()):
+        if any(name.startswith(f"{d}.") for d in done) or not any(
+                b.is_meta for b in module.buffers(recurse=False)):
+            continue
+        if any(True for _ in module.parameters()):
+            return False
+        try:
+            rebuilt = type(module)(config=getattr(module, "config", config))
+        except Exception:  # any constructor error: the second build answers
+            return False
+        want = {n: b.shape for n, b in module.named_buffers()}
+        got = {n: b.shape for n, b in rebuilt.named_buffers()}
+        if got != want or any(b.is_meta for b in rebuilt.buffers()) or any(
+                True for _ in rebuilt.parameters()):
+            return False
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, rebuilt)
+        done.append(name)
+    return True
 
 
 # Elements asked of the source at a time: a piece is split along its first dimension

@@ -25,11 +25,12 @@ Nested configs (``ffn_config``, ``rope_parameters``) are shrunk by the same rule
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["HEAD_DIM", "HIDDEN", "LAYERS", "RELAXATIONS", "ROLES", "SEQ", "VOCAB", "TinyConfig",
-           "choose_layers", "first_line", "shrink_values", "tiny_config"]
+__all__ = ["HEAD_DIM", "HIDDEN", "LADDER", "LAYERS", "RELAXATIONS", "ROLES", "SEQ", "VOCAB",
+           "TinyConfig", "choose_layers", "first_line", "shrink_values", "tiny_config"]
 
 from paraxis_hf.sizes import (
     FIXED,
@@ -88,6 +89,10 @@ RELAXATIONS = {
     # Defaults that leave a size unset that the model needs (experts: None).
     "fill": "sizes the defaults leave unset set to their tiny values",
 }
+# Relaxations of the shrinker, fewest first: the matrix's tiny configs and the probe's
+# twins try them in this order until one builds.
+LADDER = [frozenset(c) for n in range(len(RELAXATIONS) + 1)
+          for c in itertools.combinations(RELAXATIONS, n)]
 _FILLABLE = ("experts", "top_k", "expert_intermediate", "intermediate", "shared_experts")
 
 

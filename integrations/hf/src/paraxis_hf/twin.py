@@ -18,7 +18,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from paraxis_hf.shrink import _ROLE_OF, _aliases, _Context, first_line, shrink_values
+from paraxis_hf.shrink import (
+    _ROLE_OF,
+    LADDER,
+    _aliases,
+    _Context,
+    _is_token_key,
+    first_line,
+    shrink_values,
+)
 from paraxis_hf.sizes import EXPERTS, HEADS, KV_HEADS, LAYERS
 
 __all__ = ["twin_config", "twin_model"]
@@ -33,19 +41,23 @@ def _sizes(config: Any) -> dict[str, int]:
             "layers": par.pipeline * sched.virtual_stages}
 
 
-def twin_config(model_config: Any, layout: Any) -> Any:
-    """``model_config`` shrunk for ``layout`` (a ParallelConfig); raises with the reason
-    when the config cannot be shrunk."""
+def twin_config(model_config: Any, layout: Any, relax: frozenset[str] = frozenset()) -> Any:
+    """``model_config`` shrunk for ``layout`` (a ParallelConfig) with the shrinker's
+    relaxations ``relax``; raises with the reason when the config cannot be shrunk."""
     need = _sizes(layout)
     values, cls = model_config.to_dict(), type(model_config)
     keep = max(LAYERS, need["layers"])
-    ctx = _Context.of(values, frozenset(), {}, keep)
+    ctx = _Context.of(values, relax, {}, keep)
     overrides = shrink_values(values, ctx, cls)
+    if "is_decoder" in values:  # BERT-likes: a causal LM's config is a decoder's
+        overrides["is_decoder"] = values["is_decoder"]
     # A size already tiny is not among the changes; the twin keeps it rather than take
-    # the class's default (GPT-2's n_head 12 over a shrunk n_embd of 64).
+    # the class's default (GPT-2's n_head 12 over a shrunk n_embd of 64). So are token
+    # ids already inside the vocabulary: ModernBERT-decoder's default pad id, 50283,
+    # over a kept vocabulary of 256 fails its embedding's padding_idx check (issue 32).
     aliases = _aliases(cls)
     for key, value in values.items():
-        if key in _ROLE_OF and aliases.get(key, key) not in overrides:
+        if (key in _ROLE_OF or _is_token_key(key)) and aliases.get(key, key) not in overrides:
             overrides[aliases.get(key, key)] = value
     grown = {"heads": _multiple(HEADS, math.lcm(need["heads"], need["kv_heads"])),
              "kv_heads": _multiple(KV_HEADS, need["kv_heads"]),
@@ -74,13 +86,14 @@ def twin_model(model: nn.Module, layout: Any) -> nn.Module | None:
         return None
     if not isinstance(model, PreTrainedModel):
         return None
-    try:
-        config = twin_config(model.config, layout)
-    except Exception as exc:
-        raise ValueError(f"cannot shrink {type(model).__name__}'s config to a twin: "
-                         f"{first_line(exc)}") from exc
-    config.dtype = torch.float32
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        twin = AutoModelForCausalLM.from_config(config)
-    return twin.float()
+    errors = []
+    for relax in LADDER:  # as the matrix finds its tiny configs (GPT-Neo needs explicit)
+        try:
+            config = twin_config(model.config, layout, relax)
+            config.dtype = torch.float32
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                return AutoModelForCausalLM.from_config(config).float()
+        except Exception as exc:
+            errors.append(first_line(exc))
+    raise ValueError(f"cannot shrink {type(model).__name__}'s config to a twin: {errors[0]}")

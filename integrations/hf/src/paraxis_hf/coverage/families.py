@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import itertools
 import re
 from typing import Any
 
 import torch
 from torch import nn
 
-from paraxis_hf.shrink import RELAXATIONS, SEQ, VOCAB, first_line, tiny_config
+from paraxis_hf.shrink import LADDER, SEQ, VOCAB, first_line, tiny_config
 
 __all__ = ["MAX_PARAMS", "Family", "build_family", "build_model", "causal_lm_types",
            "not_text_only", "shipped_plans"]
@@ -34,9 +33,6 @@ OTHER_INPUTS = re.compile(r"pixel|image|video|audio|input_features|encoder_outpu
                           r"mm_encoder|shared_kv_states")
 # Sub-configs of another modality: the type's config is a multimodal model's.
 OTHER_CONFIGS = re.compile(r"vision|audio|vq_|speech|image|video|depth_decoder|text_encoder")
-# Relaxations of the shrinker, fewest first (see shrink.RELAXATIONS).
-LADDER = [frozenset(c) for n in range(len(RELAXATIONS) + 1)
-          for c in itertools.combinations(RELAXATIONS, n)]
 
 
 @dataclasses.dataclass(frozen=True)
