@@ -121,6 +121,22 @@ def test_a_data_mismatch_is_passed_only_when_one_process_split_the_same_way_equa
     assert split_explained(whole, whole, wrong, compare(whole, wrong), 2).status == "fail"
 
 
+def test_a_router_loss_is_compared_per_step():
+    """A model with experts reports ``moe/aux_loss``: a mismatch there fails the cell
+    even where losses and norms agree; a model without one is not held to it."""
+    from paraxis_hf.coverage.checks import compare
+
+    ref = {"losses": [5.0, 4.0], "norms": [9.0, 8.0], "aux": [2.0e-3, 1.9e-3]}
+    assert compare(ref, [dict(ref)] * 2).status == "pass"
+    off = dict(ref, aux=[2.0e-3, 1.95e-3])
+    cell = compare(ref, [off] * 2)
+    assert cell.status == "fail" and "router load-balancing loss at step 2" in cell.detail
+    missing = compare(ref, [dict(ref, aux=[None, None])] * 2)
+    assert missing.status == "fail" and "not reported" in missing.detail
+    dense = {"losses": [5.0, 4.0], "norms": [9.0, 8.0], "aux": [None, None]}
+    assert compare(dense, [dense] * 2).status == "pass"
+
+
 def _proof(sharded=0, handed_over=0, bytes_=500, claimed=500, whole=1000, kept=0):
     return {"sharded": {"tensor": sharded, "pipeline": 0, "expert": 0},
             "handed_over": handed_over, "bytes": bytes_, "claimed": claimed, "whole": whole,
