@@ -1,8 +1,9 @@
 """One parity run for the cross-package tests: a debug-sized Hugging Face family trained
 on random tokens under some degrees, against the same model in one process.
 
-The first step's gradients (parameter by parameter, gathered through the placements),
-per-step losses and gradient norms, an evaluation loss and the gathered final weights
+The first step's gradients (parameter by parameter, gathered through the placements; a
+router loss's included, as a step back-propagates it), per-step losses and gradient
+norms, an evaluation loss and the gathered final weights
 must agree at the shared tolerance (paraxis.testing.tolerance); DeepSeek-V3's correction
 biases, under ``moe.bias_update_rate``, must equal one process's after every step.
 Functions here run on the ranks of the ``worlds`` fixture (spawned workers import this

@@ -101,24 +101,79 @@ def test_a_model_with_experts_is_compared_with_one_process_running_the_same_micr
     assert _reference_for(moe, data) == {"losses": [1.0]}
 
 
+def _first_grads(planted=1.0, rounding=0.0):
+    """First-step gradients as a run returns them (whole tensors with their placements);
+    ``planted`` scales the norm weight's, ``rounding`` (relative) stands for another
+    summation order's."""
+    import torch
+
+    from paraxis.parallel.placement import Placement
+
+    weights = {"model.embed_tokens.weight": torch.linspace(-1.0, 1.0, 12).reshape(3, 4),
+               "model.norm.weight": torch.full((4,), 1e-3) * planted}
+    weights = {n: g * (1 + rounding) for n, g in weights.items()}
+    return {name: (g, Placement(name, tuple(g.shape), g.dtype)) for name, g in weights.items()}
+
+
 def test_a_data_mismatch_is_passed_only_when_one_process_split_the_same_way_equals_it():
     """CpmAnt: data=2's step-3 gradient norm is 5.9e-5 off one process on whole batches,
     and exactly one process accumulating the same two shares (reduction order, grown by
-    an ill-conditioned model); a data run that equals neither still fails."""
+    an ill-conditioned model), which equals whole batches at step 1 parameter by
+    parameter; a data run that equals neither still fails."""
     from paraxis_hf.coverage.checks import compare, split_explained
 
-    whole = {"losses": [5.0, 4.0, 3.0], "norms": [89.31, 49.36, 52.69037]}
-    split = {"losses": [5.0, 4.0, 3.0], "norms": [89.31, 49.36, 52.69349]}
-    ranks = [dict(split), dict(split)]
+    whole = {"losses": [5.0, 4.0, 3.0], "norms": [89.31, 49.36, 52.69037],
+             "grads": _first_grads()}
+    ranks = [dict(whole, norms=[89.31, 49.36, 52.69349])] * 2
+    # One process split: the ranks' numbers, its first gradients in another order.
+    split = dict(ranks[0], grads=_first_grads(rounding=1e-7))
     cell = compare(whole, ranks)
     assert cell.status == "fail"
     explained = split_explained(whole, split, ranks, cell, 2)
     assert explained.status == "explained" and "ill-conditioned" in explained.detail
-    assert "5.9e-05" in explained.detail
-    wrong = [{"losses": split["losses"], "norms": [89.31, 49.36, 52.8]}] * 2
+    assert "5.9e-05" in explained.detail and "at step 1" in explained.detail
+    wrong = [dict(split, norms=[89.31, 49.36, 52.8])] * 2
     assert split_explained(whole, split, wrong, compare(whole, wrong), 2).status == "fail"
     # One process agreeing with itself split: the ranks' difference is theirs.
     assert split_explained(whole, whole, wrong, compare(whole, wrong), 2).status == "fail"
+    # Without first-step gradients step 1 cannot be held to them: no explanation.
+    bare = {k: v for k, v in split.items() if k != "grads"}
+    assert split_explained(whole, bare, [bare] * 2, cell, 2) == cell
+
+
+def test_a_defect_shared_by_the_split_run_and_the_ranks_is_not_explained():
+    """A gradient doubled in both the ranks and one process accumulating the same shares
+    (a defect of accumulation, which both run): they equal each other at every step and
+    differ from whole batches, which once read as ill-conditioned (issue 32). All runs
+    start from the same weights, so step 1 must agree parameter by parameter: a fail."""
+    from paraxis_hf.coverage.checks import compare, split_explained
+
+    whole = {"losses": [5.0, 4.0, 3.0], "norms": [89.31, 49.36, 52.69037],
+             "grads": _first_grads()}
+    # The norm weight's share is too small for the step-1 norm to show it doubled.
+    doubled = dict(whole, norms=[89.31, 49.36, 52.69349], grads=_first_grads(planted=2.0))
+    ranks = [dict(doubled), dict(doubled)]
+    cell = compare(whole, ranks)
+    assert cell.status == "fail" and "model.norm.weight" in cell.detail, cell
+    assert compare(doubled, ranks).status == "pass"  # what the old rule went by
+    judged = split_explained(whole, doubled, ranks, cell, 2)
+    assert judged.status == "fail" and judged == cell, judged
+
+
+def test_a_router_loss_is_compared_per_step():
+    """A model with experts reports ``moe/aux_loss``: a mismatch there fails the cell
+    even where losses and norms agree; a model without one is not held to it."""
+    from paraxis_hf.coverage.checks import compare
+
+    ref = {"losses": [5.0, 4.0], "norms": [9.0, 8.0], "aux": [2.0e-3, 1.9e-3]}
+    assert compare(ref, [dict(ref)] * 2).status == "pass"
+    off = dict(ref, aux=[2.0e-3, 1.95e-3])
+    cell = compare(ref, [off] * 2)
+    assert cell.status == "fail" and "router load-balancing loss at step 2" in cell.detail
+    missing = compare(ref, [dict(ref, aux=[None, None])] * 2)
+    assert missing.status == "fail" and "not reported" in missing.detail
+    dense = {"losses": [5.0, 4.0], "norms": [9.0, 8.0], "aux": [None, None]}
+    assert compare(dense, [dense] * 2).status == "pass"
 
 
 def _proof(sharded=0, handed_over=0, bytes_=500, claimed=500, whole=1000, kept=0):

@@ -74,6 +74,11 @@ class SequenceLosses(RouterLosses):
     length, so the ranks' parts add up to the loss of the whole sequences; each rank
     counts its sequences as a share of them."""
 
+    # transformers' own loss for these routers, where a model defines one (Laguna,
+    # MiniMax-M2), is Switch's over the softmax of the logits.
+    unlike_model = ("DeepSeek-V3's sequence-wise balance loss (arXiv:2412.19437) for a "
+                    "sigmoid router with a correction bias")
+
     @property
     def carry_size(self) -> int:
         """Numbers each forward carries: (layer, sequence) rows and token rows."""

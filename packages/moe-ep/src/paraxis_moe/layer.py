@@ -208,6 +208,7 @@ class ExpertParallel:
                          if self.moe.bias_update_rate > 0 and _agreed(bool(biases), pipeline)
                          else None)
         self.recording = True
+        self.recording_losses = True  # also in a gradient check's forward (attach)
         self.experts: dict[str, ExpertParallelExperts] = {}
         chunked = chunked_wanted(self.moe.dispatch_chunks, group)  # once: one warning
         for root, name, router, experts in parts:
@@ -220,6 +221,7 @@ class ExpertParallel:
             if router is not None:
                 self._hooks.append(watch_router(router, stats=layer, losses=self.losses,
                                                 recording=lambda: self.recording,
+                                                recording_losses=lambda: self.recording_losses,
                                                 index=logits_index(root, router)))
 
     def set_recording(self, on: bool) -> None:
@@ -240,15 +242,21 @@ class ExpertParallel:
         :class:`paraxis.parallel.batch.AuxLosses`, whose carry slot this declares); record
         routing only between the start and end of a forward of a root module."""
         slot = aux.declare_carry(self.losses.carry_size, self.losses.finalize)
+        aux.unlike_model = self.losses.unlike_model
 
         def start(module: nn.Module, args: Any) -> None:
-            # Training forwards only: evaluation is not counted, nor the parity probe and
-            # gradient checks (engine.fp32_backward: a backward in eval mode), whose
-            # routing would otherwise enter the next step's counts and bias update.
-            self.set_recording(torch.is_grad_enabled() and module.training)
+            # Statistics count training forwards only: evaluation is not counted, nor the
+            # parity probe and gradient checks (engine.fp32_backward, ``aux.checking``),
+            # whose routing would otherwise enter the next step's counts and bias
+            # update. The losses are recorded there too: a check's gradients must hold
+            # the router loss's (issue 32).
+            grad = torch.is_grad_enabled()
+            self.set_recording(grad and module.training and not aux.checking)
+            self.recording_losses = grad and (module.training or aux.checking)
 
         def end(module: nn.Module, args: Any, output: Any) -> None:
             self.set_recording(False)
+            self.recording_losses = False
             if not torch.is_grad_enabled():
                 self.losses.clear()  # evaluation: no loss, nothing carried
                 return
@@ -260,6 +268,7 @@ class ExpertParallel:
             self._hooks.append(root.register_forward_pre_hook(start))
             self._hooks.append(root.register_forward_hook(end))
         self.set_recording(False)
+        self.recording_losses = False
 
     def step_metrics(self) -> dict[str, float]:
         """This step's statistics, reduced over the token group and gathered over the

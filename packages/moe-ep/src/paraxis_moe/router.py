@@ -51,6 +51,10 @@ Resolver = Callable[[torch.Tensor], dict[str, torch.Tensor]]
 class RouterLosses:
     """The router logits of one forward, turned into this rank's loss parts."""
 
+    # Where the loss is another function than transformers' (``output_router_logits``):
+    # the parity probe then leaves it out of its comparison with the model's own.
+    unlike_model = ""
+
     def __init__(self, num_experts: int, top_k: int, *, aux_coef: float, z_coef: float = 0.0,
                  group: Any = None):
         self.num_experts, self.top_k = num_experts, top_k
@@ -144,18 +148,22 @@ def selected_experts(output: Any, top_k: int) -> torch.Tensor | None:
 
 def watch_router(router: torch.nn.Module, *, stats: LayerStats | None,
                  losses: RouterLosses | None, recording: Callable[[], bool],
+                 recording_losses: Callable[[], bool] | None = None,
                  index: int = 0) -> Any:
     """Forward hook on the model's router: its logits (``output[index]`` of a tuple) go
-    to ``stats`` and ``losses`` while ``recording()`` (off during activation
-    recomputation). Returns the handle."""
+    to ``stats`` while ``recording()`` (off during activation recomputation) and to
+    ``losses`` while ``recording_losses()`` (default: ``recording``; also on in a
+    gradient check's forward, where statistics are off). Returns the handle."""
+    recording_losses = recording_losses or recording
 
     def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-        if not recording():
+        counting, losing = recording(), recording_losses()
+        if not (counting or losing):
             return
         logits = output[index] if isinstance(output, tuple) else output
-        if stats is not None:
+        if stats is not None and counting:
             stats.add_router(logits)
-        if losses is not None:
+        if losses is not None and losing:
             # (batch, sequence, hidden) in: its sequences are known (a flattened input
             # leaves them to a loss that needs none).
             x = args[0] if args and torch.is_tensor(args[0]) else None

@@ -11,16 +11,18 @@ section 11, has the numbers). A failing cell of a layout that runs (every rank h
 history) passes as *ill-conditioned* only when all three hold:
 
 1. **anchored**: run again with every step starting from the reference's own weights
-   (:func:`set_weights` through each parameter's placement), the layout's loss and
-   gradient norm equal the reference's at the shared tolerance at every step. The
+   (:func:`set_weights` through each parameter's placement), the layout's first-step
+   gradients (per parameter), loss, gradient norm and router loss equal the
+   reference's at the shared tolerance at every step (:func:`checks.compare`). The
    gradients are right wherever the reference went; only the trajectories part.
 2. **one process is no better**: one process in float64 (the same model, batches and
    optimizer, every sum exact to ~1e-16) differs from the float32 reference by more
    than the tolerance. The reference itself cannot hold its trajectory to the
    tolerance, so it cannot judge another float32 order against it.
-3. **as close as the reference**: at every step the layout's loss and gradient norm are
-   no farther from float64 than twice the float32 reference is, plus a step's
-   tolerance (two float32 runs each within e of the exact one differ by at most 2e).
+3. **as close as the reference**: at every step the layout's loss and gradient norm
+   (and router loss, where the model has one) are no farther from float64 than twice
+   the float32 reference is, plus a step's tolerance (two float32 runs each within e
+   of the exact one differ by at most 2e).
 
 Otherwise the cell stays as it was. A defect shows in (1), at weights both share.
 """
@@ -32,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paraxis_hf.coverage.checks import Outcome, _guarded, compare
+from paraxis_hf.coverage.checks import Outcome, _guarded, compare, histories
 
 __all__ = ["anchored_run", "drift_explained", "exact_run", "full_weights", "recorded_run",
            "set_weights"]
@@ -87,9 +89,10 @@ def anchored_run(model_type: str, overrides: dict[str, Any], kwargs: dict[str, A
 
 
 def _largest(got: dict[str, Any], want: dict[str, Any]) -> tuple[float, str]:
-    """The largest relative difference of ``got``'s losses and norms from ``want``'s."""
+    """The largest relative difference of ``got``'s per-step series (losses, norms, a
+    router loss) from ``want``'s."""
     return max((abs(a - b) / max(abs(b), 1e-30), f"{what} at step {step}")
-               for key, what in (("losses", "loss"), ("norms", "gradient norm"))
+               for key, what in histories(want)
                for step, (a, b) in enumerate(zip(got[key], want[key], strict=True), 1))
 
 
@@ -98,7 +101,7 @@ def _as_close(result: dict[str, Any], reference: dict[str, Any],
     from paraxis.testing.tolerance import STEP_RTOL
 
     return all(abs(a - e) <= 2 * abs(r - e) + STEP_RTOL * abs(e)
-               for key in ("losses", "norms")
+               for key, _ in histories(exact)
                for a, r, e in zip(result[key], reference[key], exact[key], strict=True))
 
 

@@ -168,7 +168,7 @@ def parallelize(
     if verify and grid.world_size > 1 and not lazy:
         probe = Probe.before(model, config, seq_length=train_cfg.seq_length, vocab=vocab,
                              forward_kwargs=model_plan.extra.get("forward_kwargs", {}),
-                             shape=model_shape)
+                             shape=model_shape, router_loss=bool(model_plan.experts))
     model, ctx = apply_parallelism(model, grid=grid, config=config, plugin_manager=pm,
                                    plan=model_plan, anatomy=checked.anatomy,
                                    strategies=checked.strategies)
@@ -186,7 +186,8 @@ def parallelize(
                     model_shape=model_shape)
     if probe is not None and ctx.skip_verify is None:
         axes = " x ".join(f"{a} {d}" for a, d in config.degrees.items() if d > 1)
-        probe.check(engine, axes)
+        router = probe.check(engine, axes)
+        probed = f"{probed}; {router}" if router else probed
     ctx.extras["probe"] = probed if ctx.skip_verify is None else f"none: {ctx.skip_verify}"
     if masks is not None:
         engine.masks = masks

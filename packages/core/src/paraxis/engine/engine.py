@@ -232,30 +232,38 @@ class Engine:
 
     @contextlib.contextmanager
     def fp32_backward(self, batch: Any, *, train_mode: bool = False,
-                      in_precision: bool = False) -> Iterator[None]:
-        """Within it, the gradients of this global batch's mean loss, back-propagated
+                      in_precision: bool = False, aux: bool = True) -> Iterator[None]:
+        """Within it, the gradients of this global batch's objective, back-propagated
         through every axis in fp32 (``train.precision`` if ``in_precision``) and eval
         mode (train mode if ``train_mode``: a dropout-free model whose backward needs it)
-        and synchronized, without stepping; cleared on exit. The parity probe and the
-        gradient parity checks read them (auxiliary losses left out, as in the model's)."""
+        and synchronized, without stepping; cleared on exit. The objective is what
+        :meth:`train_step` back-propagates: the mean loss plus the auxiliary losses
+        (a router's load-balancing loss) at their training scale, so a check of these
+        gradients checks theirs too (issue 32); ``aux=False`` leaves them out (a
+        reference that cannot compute them). Modules count no statistics in it
+        (``AuxLosses.checking``). The parity probe and the gradient parity checks read
+        them."""
         self.model.train(train_mode)
         self._fp32_only = not in_precision
+        self.ctx.aux_losses.checking = aux
         try:
             batch, tokens = self._prepare(batch)
             microbatches = batch.chunk(self.config.schedule.microbatches)
             scale = self.replicas.size / tokens.clamp(min=1)
+            aux_scale = self.replicas.size / len(microbatches) if aux else 0.0
             if self.ctx.forward_backward is not None:
                 with self.ctx.no_sync():
                     self.ctx.forward_backward(microbatches, self.loss_fn, scale, True,
-                                              aux_scale=0.0)
+                                              aux_scale=aux_scale)
             else:
-                self._forward_backward(microbatches, scale, 0.0)
+                self._forward_backward(microbatches, scale, aux_scale)
             self.ctx.finish_grad_sync()
             yield
         finally:
             self._fp32_only = False
+            self.ctx.aux_losses.checking = False
             self.optimizer.zero_grad(set_to_none=True)
-            self.ctx.aux_losses.pop()
+            self.ctx.aux_losses.clear()  # parts and carries a failed forward left
             self.ctx.aux_losses.reset_totals()
 
     # ---- state -----------------------------------------------------------------------

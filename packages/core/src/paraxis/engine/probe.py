@@ -19,6 +19,30 @@ to a gradient's scale, would then train the same losses. Each parameter's norm m
 differ by ``rtol`` of itself plus ``rtol`` of the global norm (reduction noise in a
 gradient that nearly cancels is set by the terms it sums, not by its result).
 
+The gradients are those a training step back-propagates, the router's load-balancing
+loss included (issue 32: doubled, it moves the debug Mixtral's global gradient norm by
+1.5e-5 of itself and its gates' gradients by 10-11%, 2.7-3.4% in norm). The one-process
+reference adds the *model's own* router loss (transformers' ``output_router_logits=True``
+-> ``aux_loss``, times the coefficient the model's own loss weights it by, or
+``moe.aux_loss_coef`` where the run overrides it), never paraxis's, so a reference that
+shared paraxis's loss code cannot hide a defect in it. The loss is computed per forward,
+so the reference runs the global microbatches the layout runs (microbatch ``i`` of every
+rank with distinct samples); the language-model half alone is also kept, for an
+engine whose router loss is another function than the model's own
+(``AuxLosses.unlike_model``: DeepSeek-V3's sequence-wise loss, which paraxis trains on
+Laguna's and MiniMax-M2's sigmoid routers where their own code computes Switch's).
+There, for a model that computes no router loss of its own (DeepSeek-V3) and for a run
+with a router z-loss, the auxiliary losses are left out on both sides, and
+``Probe.check`` says so (``engine.ctx.extras["probe"]``). A model with a router loss
+of its own costs the probe a second backward, and one forward per microbatch.
+
+Under ``parallelism.reduce_dtype: bf16`` each parameter may differ by
+:func:`paraxis.parallel.numerics.bf16_wire_rtol` of *its own* norm more (the wire's
+roundings of a gradient whose parts do not cancel), the fp32 terms above staying as the
+floor for a gradient that nearly cancels. A slack proportional to the whole gradient's
+norm (the old rule: 2^-7 of it) passed a 2x error on any parameter under ~0.8% of the
+norm.
+
 A layout that would train something else is refused at ``parallelize`` time with a
 :class:`ParityError` (a :class:`~paraxis.parallel.model_plan.PlanError` that says a
 defect was found, not a feature declined) naming the axes, the parameter and the
@@ -55,7 +79,7 @@ from paraxis.engine.loss import causal_lm_loss_sum
 from paraxis.parallel.batch import shift_labels
 from paraxis.parallel.model_plan import PlanError
 from paraxis.parallel.norms import grad_norms_by_name
-from paraxis.parallel.numerics import BF16_WIRE_RTOL, reduction_rtol
+from paraxis.parallel.numerics import bf16_wire_rtol, reduction_rtol
 
 if TYPE_CHECKING:
     from paraxis.config.parallel import ParallelConfig
@@ -86,23 +110,28 @@ PROBE_TOKENS = 16  # per sequence, at least; enough positions to exercise masks
 @dataclass(frozen=True)
 class Probe:
     """The probe batch (every rank's, as one global batch), the model's own loss and the
-    global norm of each parameter's gradient (by name, and the whole)."""
+    global norm of each parameter's gradient (by name), of the language-model loss alone
+    and, where the model computes a router loss of its own, with it added
+    (``router_norms``); ``router`` says what the reference did with the router loss."""
 
     ids: torch.Tensor
     loss: float
     grad_norms: dict[str, float]
     rtol: float  # reduction_rtol of the longest reduction the probe runs
     train_mode: bool = False  # probed in train mode (a train-only, dropout-free model)
+    router_norms: dict[str, float] | None = None
+    router: str = ""
 
     @property
     def grad_norm(self) -> float:
-        return math.sqrt(sum(n * n for n in self.grad_norms.values()))
+        return whole_norm(self.grad_norms)
 
     @classmethod
     def before(cls, model: nn.Module, config: ParallelConfig, *, seq_length: int,
                vocab: int | None, forward_kwargs: dict[str, Any],
-               shape: ModelShape | None = None) -> Probe:
-        """Run the whole model on the probe batch (call before any axis applies)."""
+               shape: ModelShape | None = None, router_loss: bool = False) -> Probe:
+        """Run the whole model on the probe batch (call before any axis applies).
+        ``router_loss``: the engine trains a router loss (the plan names MoE blocks)."""
         par = config.parallelism
         # Two sequences per microbatch of every rank that holds distinct samples: a
         # defect that mixes up samples (an exchange that flattens batch x sequence in
@@ -115,21 +144,28 @@ class Probe:
         g = torch.Generator().manual_seed(1234)
         ids = torch.randint(0, max(vocab or 2, 2), (rows, seq), generator=g)
         rtol = reduction_rtol(longest_reduction(shape, ids.numel()))
+        coef, router = own_router_coef(model, config) if router_loss else (None, "")
+        groups = global_microbatches(rows, config.sample_shards, config.schedule.microbatches)
+        own = OwnObjective(forward_kwargs, groups, coef or 0.0)
         try:
-            loss, norms = _own_loss_and_norms(model, ids, forward_kwargs, train_mode=False)
-            return cls(ids, loss, norms, rtol)
+            found = own.run(model, ids, train_mode=False)
+            train_mode = False
         except Exception as exc:
             if not _dropout_free(model):
                 raise
             try:  # a model whose backward needs train mode (Reformer's reversible layers)
-                loss, norms = _own_loss_and_norms(model, ids, forward_kwargs, train_mode=True)
+                found = own.run(model, ids, train_mode=True)
             except Exception:
                 raise exc from None
-            return cls(ids, loss, norms, rtol, train_mode=True)
+            train_mode = True
+        loss, norms, with_router, missing = found
+        return cls(ids, loss, norms, rtol, train_mode=train_mode, router_norms=with_router,
+                   router=f"router loss left out: {missing}" if missing else router)
 
-    def check(self, engine: Engine, axes: str) -> None:
+    def check(self, engine: Engine, axes: str) -> str:
         """Evaluate and back-propagate the probe through the parallel engine; refuse if
-        its loss or any parameter's gradient disagrees."""
+        its loss or any parameter's gradient disagrees. Returns what was compared of the
+        router loss ("" for a model without one)."""
         index, count = engine.grid.sample_shard()
         per = self.ids.shape[0] // count
         mine = self.ids[index * per:(index + 1) * per]
@@ -149,28 +185,49 @@ class Probe:
             # gradients in its own partitions and counts every backward toward its
             # accumulation: a probe backward would change its state, so only the loss
             # is probed; its parity tests hold the gradients.
-            return
-        names = sorted(self.grad_norms)
-        with probe_rng(self.train_mode), engine.fp32_backward(mine, train_mode=self.train_mode):
+            return self.router
+        want, aux, said = self._reference_for(engine)
+        names = sorted(want)
+        with probe_rng(self.train_mode), engine.fp32_backward(
+                mine, train_mode=self.train_mode, aux=aux):
             norms = grad_norms_by_name(optimizer_params(engine.optimizer), engine.grid, names)
-        self._compare_gradients(engine, axes, dict(zip(names, norms.tolist(), strict=True)))
+        self._compare_gradients(engine, axes, dict(zip(names, norms.tolist(), strict=True)),
+                                want)
+        return said
 
-    def _compare_gradients(self, engine: Engine, axes: str, got: dict[str, float]) -> None:
+    def _reference_for(self, engine: Engine) -> tuple[dict[str, float], bool, str]:
+        """The norms the engine's gradients are held to, whether its auxiliary losses are
+        back-propagated for them, and what that says: the model's own router loss where
+        the engine trains that same loss; else neither side's (an engine whose loss is
+        another function than the model's says why: ``AuxLosses.unlike_model``)."""
+        unlike = engine.ctx.aux_losses.unlike_model
+        if self.router_norms is None:
+            return self.grad_norms, False, self.router
+        if unlike:
+            return self.grad_norms, False, (f"router loss left out: paraxis trains {unlike}, "
+                                            "not the model's own")
+        return self.router_norms, True, self.router
+
+    def _compare_gradients(self, engine: Engine, axes: str, got: dict[str, float],
+                           want: dict[str, float] | None = None) -> None:
         """Each parameter's norm within ``rtol`` of itself plus ``rtol`` of the whole
-        (two bf16 roundings when the data axis reduces in bf16)."""
-        whole = self.grad_norm
-        rtol = self.rtol
-        if engine.config.parallelism.reduce_dtype == "bf16":
-            rtol = max(rtol, BF16_WIRE_RTOL)
+        (fp32 reduction noise; the whole for a gradient that nearly cancels), plus, when
+        the data axis reduces in bf16, the wire's rounding of the parameter's own norm
+        (:func:`paraxis.parallel.numerics.bf16_wire_rtol`)."""
+        want = self.grad_norms if want is None else want
+        whole, rtol = whole_norm(want), self.rtol
+        wire = (bf16_wire_rtol(engine.config.token_replicas)
+                if engine.config.parallelism.reduce_dtype == "bf16" else 0.0)
         worst, excess = None, 0.0
-        for name, want in self.grad_norms.items():
-            diff = abs(got[name] - want)
-            over = diff - rtol * (want + whole)
+        for name, norm in want.items():
+            diff = abs(got[name] - norm)
+            over = diff - (rtol + wire) * norm - rtol * whole
             if not math.isfinite(got[name]) or over > excess:
                 worst, excess = name, math.inf if not math.isfinite(got[name]) else over
         if worst is not None:
+            bf16 = f"{wire:.1e} (bf16 reduction) plus " if wire else ""
             self._refuse(engine, axes, f"gradient of {worst} (norm)", got[worst],
-                         self.grad_norms[worst], f"; allowed {rtol:.0e} of it plus "
+                         want[worst], f"; allowed {bf16}{rtol:.0e} of it plus "
                          f"{rtol:.0e} of the whole gradient's norm {whole:.6g}")
 
     def _refuse(self, engine: Engine, axes: str, what: str, got: float, want: float,
@@ -205,21 +262,100 @@ def _dropout_free(model: nn.Module) -> bool:
                    for k, v in values.items())
 
 
-def _own_loss_and_norms(model: nn.Module, ids: torch.Tensor, forward_kwargs: dict[str, Any],
-                        *, train_mode: bool) -> tuple[float, dict[str, float]]:
-    """The whole model's mean next-token loss on ``ids`` and each parameter's gradient
-    norm, by name (0 for a parameter the loss does not reach); modes and gradients are
-    restored after."""
+def global_microbatches(rows: int, shards: int, microbatches: int) -> list[torch.Tensor]:
+    """The probe batch's rows of each global microbatch: microbatch ``i`` of every one of
+    the ``shards`` ranks with distinct samples (each holds ``rows / shards`` consecutive
+    rows, cut into ``microbatches`` consecutive chunks by the engine)."""
+    per = rows // shards
+    size = per // microbatches
+    return [torch.tensor([r * per + i * size + j for r in range(shards) for j in range(size)])
+            for i in range(microbatches)]
+
+
+def own_router_coef(model: nn.Module, config: ParallelConfig) -> tuple[float | None, str]:
+    """The coefficient the reference weights the model's own router loss by, and what
+    the probe says of it: ``moe.aux_loss_coef`` where the run overrides the model's,
+    else the one the model's own loss multiplies by (its ``router_aux_loss_coef``,
+    JetMoE's ``aux_loss_coef``). None where the reference cannot hold what the engine
+    trains (a z-loss, which no model computes; no coefficient of the model's own)."""
+    moe = config.moe
+    if moe.z_loss_coef:
+        return None, (f"router losses left out: moe.z_loss_coef={moe.z_loss_coef} and the "
+                      "model computes no z-loss of its own")
+    if moe.aux_loss_coef is not None:
+        return float(moe.aux_loss_coef), f"router loss: the model's own at {moe.aux_loss_coef}"
+    for key in ("router_aux_loss_coef", "aux_loss_coef"):
+        value = getattr(model, key, None)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value), f"router loss: the model's own at {key}={value}"
+    return None, "router loss left out: the model has no router_aux_loss_coef of its own"
+
+
+def whole_norm(norms: dict[str, float]) -> float:
+    return math.sqrt(sum(n * n for n in norms.values()))
+
+
+@dataclass(frozen=True)
+class OwnObjective:
+    """The model's own objective on the probe batch: the mean next-token loss over the
+    whole batch plus, with ``coef``, the model's router loss averaged over the global
+    microbatches ``groups`` (the engine averages it over microbatches), as the model's
+    own loss weights it (``output_router_logits=True``: its ``aux_loss``)."""
+
+    forward_kwargs: dict[str, Any]
+    groups: list[torch.Tensor]  # rows of each global microbatch
+    coef: float
+
+    def run(self, model: nn.Module, ids: torch.Tensor, *, train_mode: bool,
+            ) -> tuple[float, dict[str, float], dict[str, float] | None, str]:
+        """The mean loss; each parameter's gradient norm by name (0 for a parameter the
+        loss does not reach) of the language-model loss alone, and with the model's own
+        router loss added (None without ``coef``, or where the model computes none), and
+        why none (""). Modes and gradients are restored after."""
+        loss, bare = _loss_and_norms(model, self.forward_kwargs, [ids], 0.0,
+                                     train_mode=train_mode)
+        if not self.coef:
+            return loss, bare, None, ""
+        try:
+            _, with_router = _loss_and_norms(model, self.forward_kwargs,
+                                             [ids[rows] for rows in self.groups], self.coef,
+                                             train_mode=train_mode)
+        except _NoOwnRouterLoss as exc:
+            return loss, bare, None, str(exc)
+        except Exception as exc:  # the language-model half ran: compared without it
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            return loss, bare, None, (f"the model's forward with output_router_logits=True "
+                                      f"raised {type(exc).__name__}: {first}")
+        return loss, bare, with_router, ""
+
+
+class _NoOwnRouterLoss(Exception):
+    """The model's forward computes no router loss to compare with."""
+
+
+def _loss_and_norms(model: nn.Module, forward_kwargs: dict[str, Any],
+                    forwards: list[torch.Tensor], coef: float, *,
+                    train_mode: bool) -> tuple[float, dict[str, float]]:
+    """One forward per tensor of token ids in ``forwards``; the mean loss over all of
+    them plus ``coef`` x the mean of their ``aux_loss`` (none without ``coef``), and
+    each parameter's gradient norm of that."""
     device = next(model.parameters()).device
     modes = {m: m.training for m in model.modules()}
     model.train(train_mode)
+    kwargs = {**forward_kwargs, **({"output_router_logits": True} if coef else {})}
     try:
         with probe_rng(train_mode):
-            out = model(ids.to(device), **forward_kwargs)
-            logits = out.logits if hasattr(out, "logits") else out
-            loss_sum, count = causal_lm_loss_sum(logits, shift_labels(ids).to(device))
+            loss_sum, count, aux = torch.zeros((), device=device), 0, []
+            for part in forwards:
+                out = _forward(model, part.to(device), kwargs)
+                logits = out.logits if hasattr(out, "logits") else out
+                s, n = causal_lm_loss_sum(logits, shift_labels(part).to(device))
+                loss_sum, count = loss_sum + s, count + n
+                if coef:
+                    aux.append(_own_aux_loss(out))
             loss = loss_sum / max(count, 1)
-            loss.backward()
+            objective = loss + coef * torch.stack(aux).mean() if aux else loss
+            objective.backward()
         norms = {name: float(p.grad.double().norm()) if p.grad is not None else 0.0
                  for name, p in model.named_parameters() if p.requires_grad}
     finally:
@@ -227,3 +363,20 @@ def _own_loss_and_norms(model: nn.Module, ids: torch.Tensor, forward_kwargs: dic
         for m, mode in modes.items():
             m.train(mode)
     return float(loss.detach()), norms
+
+
+def _forward(model: nn.Module, ids: torch.Tensor, kwargs: dict[str, Any]) -> Any:
+    try:
+        return model(ids, **kwargs)
+    except TypeError as exc:
+        if "output_router_logits" in kwargs and "output_router_logits" in str(exc):
+            raise _NoOwnRouterLoss("the model's forward takes no output_router_logits") \
+                from exc
+        raise
+
+
+def _own_aux_loss(out: Any) -> torch.Tensor:
+    aux = getattr(out, "aux_loss", None)
+    if not torch.is_tensor(aux):
+        raise _NoOwnRouterLoss("the model returns no aux_loss with output_router_logits=True")
+    return aux

@@ -52,6 +52,15 @@ class AuxLosses:
         # the sequence under sequence parallelism): the engine sums them over every
         # rank, not only over tensor rank 0, where tensor ranks hold copies.
         self.split_over_tensor = False
+        # A gradient check's forward (``Engine.fp32_backward``, in eval mode): modules add
+        # their parts whatever their mode, so its gradients hold the losses training
+        # back-propagates, and count nothing else (routing statistics, the loads a bias
+        # update reads), which a check must leave as the training steps made them.
+        self.checking = False
+        # Why the losses trained are another function than the model's own forward
+        # computes with ``output_router_logits=True`` ("" where they are the same): a
+        # check against the model's own then leaves them out (the parity probe).
+        self.unlike_model = ""
         self.names: list[str] = []
         self._parts: dict[str, torch.Tensor] = {}
         # This rank's popped values of the current step, by name (summed).

@@ -27,8 +27,10 @@ def local_shards(model: nn.Module) -> dict[str, tuple[torch.Tensor, Placement]]:
 
 
 def local_gradients(engine: Any, batch: Any, *, in_precision: bool = False) -> Shards:
-    """This rank's gradients of its share of a global ``batch`` (the mean loss through
-    every axis, synchronized, before any clipping or step), by global name with their
+    """This rank's gradients of its share of a global ``batch`` (the mean loss and the
+    auxiliary losses, a router's load-balancing loss, as a training step back-propagates
+    them: :meth:`~paraxis.engine.engine.Engine.fp32_backward`; through every axis,
+    synchronized, before any clipping or step), by global name with their
     placements: what the optimizer steps (a sharding optimizer's shards), mirrors left
     out; a parameter the loss does not reach reads zeros (a data-parallel bucket gives
     it zeros, one process None: the same gradient). Gradients are cleared after; the
