@@ -14,6 +14,7 @@ from paraxis.parallel.anatomy import find_anatomy
 from paraxis.parallel.aux_losses import AuxLosses
 from paraxis.parallel.model_plan import ModelPlan
 from paraxis.parallel.strategy import Phase
+from paraxis.runtime.comm_stats import CommStats
 from paraxis.runtime.grid import AxisGroup
 from paraxis_moe import ExpertParallelStrategy
 from paraxis_moe import _plugin as moe_plugin
@@ -23,6 +24,8 @@ PLAN = ModelPlan("MixtralForCausalLM", experts=("model.layers.*.mlp",))
 
 
 class OneRankGrid:
+    comm = CommStats()
+
     def group(self, axes):
         return AxisGroup(tuple([axes] if isinstance(axes, str) else axes), (0,), 0)
 
