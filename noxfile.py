@@ -26,7 +26,8 @@ PINNED = ("-c", "constraints.txt")
 CORE = "packages/core"
 PACKAGES = sorted(
     str(p.parent.relative_to(ROOT))
-    for p in [*ROOT.glob("packages/*/pyproject.toml"), *ROOT.glob("integrations/*/pyproject.toml")]
+    for p in [*ROOT.glob("packages/*/pyproject.toml"), *ROOT.glob("integrations/*/pyproject.toml"),
+              *ROOT.glob("tools/*/pyproject.toml")]
 )
 DEV = nox.project.dependency_groups(nox.project.load_toml("pyproject.toml"), "dev")
 
@@ -36,7 +37,7 @@ nox.options.reuse_existing_virtualenvs = True
 
 def install_all(session: nox.Session) -> None:
     session.install(TORCH)
-    session.install(*(f"--editable={p}" for p in PACKAGES))
+    session.install(*PINNED, *(f"--editable={p}" for p in PACKAGES))
 
 
 def _meta(package: str) -> dict:
@@ -105,7 +106,7 @@ def tests_isolated(session: nox.Session, package: str) -> None:
 
 
 SOURCES = [str(p) for p in sorted([*ROOT.glob("packages/*/src"),
-                                   *ROOT.glob("integrations/*/src")])]
+                                   *ROOT.glob("integrations/*/src"), *ROOT.glob("tools/*/src")])]
 
 
 @nox.session
@@ -145,11 +146,11 @@ def bench(session: nox.Session) -> None:
 def coverage(session: nox.Session) -> None:
     """Every causal-LM model type of transformers through every installed axis, against
     one process; rewrites docs/coverage.md (about 10 minutes on a shared 2-core
-    machine). Arguments go to ``python -m paraxis_hf.coverage`` (``--only llama gemma2``,
+    machine). Arguments go to ``python -m paraxis_coverage`` (the matrix's own package,
+    tools/coverage: ``--only llama gemma2``,
     ``--json rows.json``)."""
     install_all(session)
-    session.install(*PINNED, "transformers")
-    session.run("python", "-m", "paraxis_hf.coverage", *session.posargs, env=TEST_ENV)
+    session.run("python", "-m", "paraxis_coverage", *session.posargs, env=TEST_ENV)
 
 
 @nox.session

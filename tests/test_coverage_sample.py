@@ -6,8 +6,9 @@ norm at the shared tolerance, and the shard proof of each sharding layout).
 
 import pytest
 
-from paraxis_hf.coverage import available_checks, build_family, causal_lm_types, run_family
-from paraxis_hf.coverage.runner import OWN_LOSS
+from paraxis_coverage import available_checks, run_family
+from paraxis_coverage.runner import OWN_LOSS
+from paraxis_hf.families import build_family, causal_lm_types
 
 SAMPLE = {
     "gemma2": "scaled embeddings, attention and logit softcapping, sliding-window layers",
@@ -65,7 +66,7 @@ def test_a_family_without_plans_is_refused_with_the_reason(worlds):
 
 # Cells whose runs part from one process by reduction noise the model amplifies (a first
 # AdamW step normalizes gradients at the noise floor): each fails the per-step comparison
-# and passes only as ill-conditioned, with the evidence (paraxis_hf.coverage.drift).
+# and passes only as ill-conditioned, with the evidence (paraxis_coverage.drift).
 ILL_CONDITIONED = {"gemma4_text": ("tensor=2", "context=2"), "gemma3n_text": ("context=2",)}
 
 

@@ -56,7 +56,8 @@ def test_positions_the_model_makes_itself_follow_the_shard(worlds, family):
     """The RoBERTa family makes its own positions when given none (from padding_idx + 1,
     skipping pads): each rank's shard gets those of its place in the whole row, made by
     the model's own function (0..s-1 cut by the layout trained 4e-3 off one process)."""
-    from paraxis_hf.coverage import available_checks, build_family, causal_lm_types, run_family
+    from paraxis_coverage import available_checks, run_family
+    from paraxis_hf.families import build_family, causal_lm_types
 
     checks = [c for c in available_checks() if c.name == "context=2"]
     row = run_family(build_family(family, causal_lm_types()[family]), checks, worlds)

@@ -273,7 +273,7 @@ def test_paraxis_train_builds_the_family_at_its_eager_spread(worlds, family):
     import math
 
     from paraxis.testing.tolerance import SampleAllowance
-    from paraxis_hf.coverage.families import build_family, build_model, causal_lm_types
+    from paraxis_hf.families import build_family, build_model, causal_lm_types
 
     tiny = build_family(family, causal_lm_types()[family])
     probed, initial, losses = worlds.run(1, train_family, family, tiny.overrides)[0]

@@ -14,13 +14,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = sorted([*ROOT.glob("packages/*/src/*"), *ROOT.glob("integrations/*/src/*")])
+SOURCES = sorted([*ROOT.glob("packages/*/src/*"), *ROOT.glob("integrations/*/src/*"),
+                  *ROOT.glob("tools/*/src/*")])
 
 # contract id -> (file to plant, relative to the copied sources; its text)
 PLANTED = {
     "core-layers": ("paraxis/config/_planted.py", "import paraxis.engine.engine\n"),
-    "core-acyclic": ("paraxis/runtime/_planted_cycle.py",
-                     "import paraxis.runtime.grid\n"),
+    # Outside core: the contract covers every package (issue 33; moe-ep's router and
+    # balance once imported each other through a function-level import).
+    "acyclic": ("paraxis_moe/_planted_cycle.py", "import paraxis_moe.router\n"),
     "core-knows-no-axis": ("paraxis/planner/_planted.py", "import paraxis_pp.schedules\n"),
     "axes-use-the-contract": ("paraxis_dp/_planted.py", "import paraxis.engine.apply\n"),
     "packages-independent": ("paraxis_tp/_planted.py", "import paraxis_dp.sync\n"),
@@ -69,9 +71,9 @@ def test_a_planted_violation_breaks_its_contract(copied, tmp_path, contract):
     src = _copy(tmp_path)
     path, text = PLANTED[contract]
     (src / path).write_text(text)
-    if contract == "core-acyclic":  # the cycle's other half: the grid imports it back
-        grid = src / "paraxis/runtime/grid.py"
-        grid.write_text(grid.read_text() + "\nimport paraxis.runtime._planted_cycle  # noqa\n")
+    if contract == "acyclic":  # the cycle's other half: the router imports it back
+        router = src / "paraxis_moe/router.py"
+        router.write_text(router.read_text() + "\nimport paraxis_moe._planted_cycle  # noqa\n")
     out = _lint(src, ROOT / "pyproject.toml")
     assert out.returncode != 0
     assert f"{names[contract]} BROKEN" in out.stdout, out.stdout

@@ -62,12 +62,13 @@ def test_split_experts_with_a_capacity_drop_as_one_process(worlds, degrees):
 
 def expert_bytes(expert_tensor):
     """This rank's expert parameter bytes under tensor 2 + SP, and the coverage matrix's
-    shard proof of the layout (paraxis_hf.coverage.checks)."""
+    shard proof of the layout (paraxis_coverage.checks)."""
     import paraxis
     from paraxis import ParallelConfig
+    from paraxis_coverage.cells import Check
+    from paraxis_coverage.checks import shard_proof
+    from paraxis_coverage.shares import proven
     from paraxis_hf import build_debug_model
-    from paraxis_hf.coverage.checks import Check, shard_proof
-    from paraxis_hf.coverage.shares import proven
 
     kwargs = {"tensor": 2, "sequence_parallel": True, "expert_tensor": expert_tensor}
     model = build_debug_model("mixtral")

@@ -7,7 +7,7 @@ its gates' gradients move by 10-11% (2.7-3.4% in norm), so only a per-parameter
 comparison whose gradients hold the router loss's can see it: the parity probe of
 ``parallelize`` (against the model's own ``output_router_logits=True`` loss), the
 parity harness's first-step gradients (``tests/hf_parity.py``) and the coverage matrix's
-gradient cell (``paraxis_hf.coverage.checks.compare``). Each is also run unplanted: the
+gradient cell (``paraxis_coverage.checks.compare``). Each is also run unplanted: the
 router loss is in both sides' gradients and they agree.
 """
 
@@ -124,15 +124,16 @@ def test_the_parity_harness_sees_a_doubled_router_loss_gradient(worlds):
 
 
 def planted_parallel_run(*args):
-    from paraxis_hf.coverage.checks import parallel_run
+    from paraxis_coverage.checks import parallel_run
 
     with planted_after_parallelize():
         return parallel_run(*args)
 
 
 def test_the_matrix_sees_a_doubled_router_loss_gradient(worlds):
-    from paraxis_hf.coverage import build_family, causal_lm_types
-    from paraxis_hf.coverage.checks import Check, compare, reference_run
+    from paraxis_coverage.cells import Check
+    from paraxis_coverage.checks import compare, reference_run
+    from paraxis_hf.families import build_family, causal_lm_types
 
     family = build_family("mixtral", causal_lm_types()["mixtral"])
     check = Check("data=2", {"data": 2}, "data")

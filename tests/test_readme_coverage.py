@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from paraxis_hf.coverage.report import README_BEGIN, README_END, readme_table
+from paraxis_coverage.report import README_BEGIN, README_END, readme_table
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -92,8 +92,7 @@ def test_a_head_entry_alone_is_no_pipeline_plan():
 
 
 def _tiny(model_type: str, **overrides):
-    from paraxis_hf.coverage import build_family, causal_lm_types
-    from paraxis_hf.coverage.families import build_model
+    from paraxis_hf.families import build_family, build_model, causal_lm_types
 
     family = build_family(model_type, causal_lm_types()[model_type])
     return build_model(model_type, {**family.overrides, **overrides})

@@ -18,7 +18,7 @@ def causal_lm_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[tor
 
     Computed in at least float32 (half-precision logits are upcast); float64 logits stay
     float64, so a float64 model is float64 end to end (the coverage matrix's exact
-    reference, ``paraxis_hf.coverage.drift``)."""
+    reference, ``paraxis_coverage.drift``)."""
     flat_targets = targets.reshape(-1).to(logits.device)
     wide = torch.promote_types(logits.dtype, torch.float32)
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(wide), flat_targets,

@@ -32,37 +32,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
-from paraxis_hf.coverage.checks import Outcome, _guarded, compare, histories
+from paraxis_coverage.cells import Outcome
+from paraxis_coverage.checks import _guarded, compare, histories
 
-__all__ = ["anchored_run", "drift_explained", "exact_run", "full_weights", "recorded_run",
-           "set_weights"]
-
-
-def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter by its global name, on a world of one (each held whole)."""
-    from paraxis.parallel.placement import placement_of
-
-    out = {}
-    for p in model.parameters():
-        rec = placement_of(p)
-        assert tuple(p.shape) == tuple(rec.global_shape), f"{rec.name} is sharded"
-        out[rec.name] = p.detach().clone()
-    return out
-
-
-@torch.no_grad()
-def set_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
-    """Each of this rank's parameters set to its rows of ``weights`` (global tensors by
-    global name), through its placement (shards, packed blocks; padding left alone)."""
-    from paraxis.parallel.placement import placement_of
-
-    for p in model.parameters():
-        rec = placement_of(p)
-        whole = weights[rec.name].to(p.dtype)
-        for piece in rec.pieces():
-            p[piece.local].copy_(whole[piece.where])
+__all__ = ["anchored_run", "drift_explained", "exact_run", "recorded_run"]
 
 
 def _mb(microbatches: int) -> dict[str, Any]:

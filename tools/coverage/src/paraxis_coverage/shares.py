@@ -1,6 +1,6 @@
 """What share of the model a rank *should* hold, computed from the plan and the degrees
 alone (never from the placements the axes wrote), for the shard proof of
-:mod:`paraxis_hf.coverage.checks`.
+:mod:`paraxis_coverage.checks`.
 
 A rank's bytes could equal what its placements claim and still be wrong: an axis that
 silently skipped a plan entry writes no placement for it, and the parameter stays
@@ -35,7 +35,7 @@ from typing import Any
 
 from torch import nn
 
-from paraxis_hf.coverage.checks import SHARDING, Check, Outcome
+from paraxis_coverage.cells import SHARDING, Check, Outcome
 
 __all__ = ["expected_on_rank", "expected_share", "expected_stage_ranges",
            "parameters_off_share", "proven", "whole_layout"]

@@ -1,10 +1,10 @@
-"""``python -m paraxis_hf.coverage``: run the matrix and write ``docs/coverage.md``.
+"""``python -m paraxis_coverage``: run the matrix and write ``docs/coverage.md``.
 
-    python -m paraxis_hf.coverage                       every type; writes docs/coverage.md
-    python -m paraxis_hf.coverage --only llama gemma2   some of them (no report unless --out)
-    python -m paraxis_hf.coverage --json rows.json      keep every row (written as it goes)
-    python -m paraxis_hf.coverage --json rows.json --resume   skip the rows already there
-    python -m paraxis_hf.coverage --from-json rows.json       only rewrite the report
+    python -m paraxis_coverage                       every type; writes docs/coverage.md
+    python -m paraxis_coverage --only llama gemma2   some of them (no report unless --out)
+    python -m paraxis_coverage --json rows.json      keep every row (written as it goes)
+    python -m paraxis_coverage --json rows.json --resume   skip the rows already there
+    python -m paraxis_coverage --from-json rows.json       only rewrite the report
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m paraxis_hf.coverage",
+    p = argparse.ArgumentParser(prog="python -m paraxis_coverage",
                                 description="Every transformers causal LM through paraxis' "
                                             "parallel layouts, against one process.")
     p.add_argument("--out", default=None, help="the report (markdown); default "
@@ -56,8 +56,8 @@ def _verdict(row) -> str:  # type: ignore[no-untyped-def]
 
 def _run(types: dict[str, str], args: argparse.Namespace, checks: list) -> list:  # type: ignore[type-arg]
     from paraxis.testing.distributed import WorldPool
-    from paraxis_hf.coverage.report import rows_from_json, rows_to_json
-    from paraxis_hf.coverage.runner import CHECK_TIMEOUT, run_matrix
+    from paraxis_coverage.report import rows_from_json, rows_to_json
+    from paraxis_coverage.runner import CHECK_TIMEOUT, run_matrix
 
     done = {}
     if args.resume and args.json and Path(args.json).exists():
@@ -84,9 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _quiet()
-    from paraxis_hf.coverage.checks import available_checks
-    from paraxis_hf.coverage.families import causal_lm_types
-    from paraxis_hf.coverage.report import render, rows_from_json, with_readme_table
+    from paraxis_coverage.cells import available_checks
+    from paraxis_coverage.report import render, rows_from_json, with_readme_table
+    from paraxis_hf.families import causal_lm_types
 
     checks = available_checks()
     start = time.perf_counter()

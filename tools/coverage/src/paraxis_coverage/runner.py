@@ -21,17 +21,18 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from paraxis.testing.distributed import RankFailure
-from paraxis_hf.coverage.checks import (
-    Check,
-    Outcome,
+from paraxis_coverage.cells import Check, Outcome
+from paraxis_coverage.checks import (
     compare,
     own_loss,
     parallel_run,
     preflight_refusal,
     reference_run,
+    settle,
     split_explained,
 )
-from paraxis_hf.coverage.families import Family
+from paraxis_coverage.drift import anchored_run, drift_explained, exact_run, recorded_run
+from paraxis_hf.families import Family, build_family
 
 __all__ = ["CHECK_TIMEOUT", "OWN_LOSS", "Prepared", "Row", "prepare", "run_checks",
            "run_family", "run_matrix"]
@@ -142,9 +143,7 @@ def _split_experts(model: Any, check: Check, plugin_manager: Any) -> tuple[Check
 def _judge_drift(prepared: Prepared, check: Check, results: list[dict[str, Any]],
                  cell: Outcome, worlds: Any, *, timeout: float) -> Outcome:
     """A failing run judged from the reference's weights and against float64
-    (:mod:`paraxis_hf.coverage.drift`): three more runs, for failing cells only."""
-    from paraxis_hf.coverage.drift import anchored_run, drift_explained, exact_run, recorded_run
-
+    (:mod:`paraxis_coverage.drift`): three more runs, for failing cells only."""
     family = prepared.family
     mb = check.microbatches if check.microbatches in prepared.accumulated else 1
     recorded = _run(worlds, 1, recorded_run, family.model_type, family.overrides, mb,
@@ -164,7 +163,7 @@ def run_checks(prepared: Prepared, checks: Iterable[Check], worlds: Any, *,
                timeout: float = CHECK_TIMEOUT) -> Row:
     """The row of a prepared family: each check against its reference."""
     from paraxis.engine.plugins import make_plugin_manager
-    from paraxis_hf.coverage.families import build_model
+    from paraxis_hf.families import build_model
 
     start = time.perf_counter()
     family, ref = prepared.family, prepared.reference
@@ -218,9 +217,6 @@ def run_matrix(types: dict[str, str], checks: list[Check], worlds: Any, *,
     the world of one) while this one's checks run on the world of two: the worlds are
     separate processes, and on a shared machine more runnable processes get a larger
     share of it."""
-    from paraxis_hf.coverage.checks import settle
-    from paraxis_hf.coverage.families import build_family
-
     done = done or {}
     todo = [(t, c) for t, c in types.items() if t not in done]
 

@@ -3,10 +3,10 @@ causal LMs apart, and the report's counts."""
 
 import pytest
 
-from paraxis_hf.coverage.checks import CHECKS, Outcome
-from paraxis_hf.coverage.families import Family, build_family, not_text_only
-from paraxis_hf.coverage.report import counts, render, rows_from_json, rows_to_json
-from paraxis_hf.coverage.runner import OWN_LOSS, Row
+from paraxis_coverage.cells import CHECKS, Outcome
+from paraxis_coverage.report import counts, render, rows_from_json, rows_to_json
+from paraxis_coverage.runner import OWN_LOSS, Row
+from paraxis_hf.families import Family, build_family, not_text_only
 from paraxis_hf.shrink import HIDDEN, LAYERS, VOCAB, choose_layers, tiny_config
 
 pytest.importorskip("transformers")
@@ -90,7 +90,7 @@ def test_denominators_count_shipped_plans_and_built_types():
 def test_a_model_with_experts_is_compared_with_one_process_running_the_same_microbatches():
     # The router's load-balancing loss is per forward: a pipeline's 2 microbatches train
     # what one process accumulating the same 2 microbatches trains, not one forward.
-    from paraxis_hf.coverage.runner import Prepared, _reference_for
+    from paraxis_coverage.runner import Prepared, _reference_for
 
     pipeline = next(c for c in CHECKS if c.name == "pipeline=2")
     data = next(c for c in CHECKS if c.name == "data=2")
@@ -120,7 +120,7 @@ def test_a_data_mismatch_is_passed_only_when_one_process_split_the_same_way_equa
     and exactly one process accumulating the same two shares (reduction order, grown by
     an ill-conditioned model), which equals whole batches at step 1 parameter by
     parameter; a data run that equals neither still fails."""
-    from paraxis_hf.coverage.checks import compare, split_explained
+    from paraxis_coverage.checks import compare, split_explained
 
     whole = {"losses": [5.0, 4.0, 3.0], "norms": [89.31, 49.36, 52.69037],
              "grads": _first_grads()}
@@ -146,7 +146,7 @@ def test_a_defect_shared_by_the_split_run_and_the_ranks_is_not_explained():
     (a defect of accumulation, which both run): they equal each other at every step and
     differ from whole batches, which once read as ill-conditioned (issue 32). All runs
     start from the same weights, so step 1 must agree parameter by parameter: a fail."""
-    from paraxis_hf.coverage.checks import compare, split_explained
+    from paraxis_coverage.checks import compare, split_explained
 
     whole = {"losses": [5.0, 4.0, 3.0], "norms": [89.31, 49.36, 52.69037],
              "grads": _first_grads()}
@@ -163,7 +163,7 @@ def test_a_defect_shared_by_the_split_run_and_the_ranks_is_not_explained():
 def test_a_router_loss_is_compared_per_step():
     """A model with experts reports ``moe/aux_loss``: a mismatch there fails the cell
     even where losses and norms agree; a model without one is not held to it."""
-    from paraxis_hf.coverage.checks import compare
+    from paraxis_coverage.checks import compare
 
     ref = {"losses": [5.0, 4.0], "norms": [9.0, 8.0], "aux": [2.0e-3, 1.9e-3]}
     assert compare(ref, [dict(ref)] * 2).status == "pass"
@@ -186,7 +186,7 @@ def test_a_layout_cell_passes_only_with_its_shard_proof():
     """A plan that matched nothing would pass on losses alone; the cell must see that
     every rank sharded something, holds less than the whole model, and holds exactly what
     its placements claim (issue 19, finding 2)."""
-    from paraxis_hf.coverage.checks import compare
+    from paraxis_coverage.checks import compare
 
     tensor = next(c for c in CHECKS if c.name == "tensor=2")
     ref = {"losses": [5.0], "norms": [9.0]}
@@ -209,7 +209,7 @@ def test_a_cell_fails_when_a_rank_holds_other_bytes_than_the_plan_gives():
     plan entry an axis silently skipped writes no placement (planted in paraxis_tp, the
     logits' entry skipped: llama tensor=2 passed parity and the old proof, and failed
     with "lm_head.weight 65,536 (expected 32,768)")."""
-    from paraxis_hf.coverage.checks import compare
+    from paraxis_coverage.checks import compare
 
     tensor = next(c for c in CHECKS if c.name == "tensor=2")
     ref = {"losses": [5.0], "norms": [9.0]}
@@ -231,9 +231,8 @@ def test_a_cell_fails_when_a_rank_holds_other_bytes_than_the_plan_gives():
 def _llama_share(degrees, **seat):
     from paraxis import make_plugin_manager
     from paraxis.parallel.model_plan import find_plan
-    from paraxis_hf.coverage import build_family, causal_lm_types
-    from paraxis_hf.coverage.families import build_model
-    from paraxis_hf.coverage.shares import expected_share, whole_layout
+    from paraxis_coverage.shares import expected_share, whole_layout
+    from paraxis_hf.families import build_family, build_model, causal_lm_types
 
     family = build_family("llama", causal_lm_types()["llama"])
     model = build_model("llama", family.overrides)
@@ -250,7 +249,7 @@ def test_a_parameter_split_twice_fails_though_another_kept_whole_keeps_the_total
     tensor=2 with one rank's gate_proj split twice (8,192 bytes instead of 16,384) and
     its q_proj kept whole (16,384 instead of 8,192) holds the total the plan gives, and
     fails naming both."""
-    from paraxis_hf.coverage.checks import compare
+    from paraxis_coverage.checks import compare
 
     want = _llama_share({"tensor": 2})
     held = {names[0]: b for names, b in want["per_param"]}
@@ -278,7 +277,7 @@ def test_the_stage_cut_is_counted_from_the_layer_list_not_read_from_the_engine()
     itself). The count agrees with the pipeline axis' split wherever both are defined,
     and a rank holding another cut than it fails by name."""
     from paraxis.parallel.split import stage_ranges
-    from paraxis_hf.coverage.shares import expected_stage_ranges, parameters_off_share
+    from paraxis_coverage.shares import expected_stage_ranges, parameters_off_share
 
     for layers, stages in [(4, 2), (5, 2), (7, 3), (8, 4), (12, 5), (3, 3)]:
         for hidden, vocab in [(64, 256), (16, 50_000), (0, 0)]:
@@ -310,9 +309,8 @@ def test_the_stage_cut_is_counted_from_the_layer_list_not_read_from_the_engine()
 def test_the_expected_share_is_read_from_the_plan(model_type, degrees, split, experts_whole):
     from paraxis import make_plugin_manager
     from paraxis.parallel.model_plan import find_plan
-    from paraxis_hf.coverage import build_family, causal_lm_types
-    from paraxis_hf.coverage.families import build_model
-    from paraxis_hf.coverage.shares import expected_share, whole_layout
+    from paraxis_coverage.shares import expected_share, whole_layout
+    from paraxis_hf.families import build_family, build_model, causal_lm_types
 
     family = build_family(model_type, causal_lm_types()[model_type])
     model = build_model(model_type, family.overrides)
@@ -327,7 +325,7 @@ def test_the_expected_share_is_read_from_the_plan(model_type, degrees, split, ex
 
 
 def test_a_defect_the_probe_caught_is_a_failure_not_a_refusal():
-    from paraxis_hf.coverage.checks import compare
+    from paraxis_coverage.checks import compare
 
     caught = [{"defect": "the parallel model's loss on a probe batch is 5.59"}] * 2
     assert compare({"losses": [5.0]}, caught).status == "fail"
@@ -341,8 +339,8 @@ def test_a_crash_in_the_stage_check_is_a_failure_not_a_refusal(monkeypatch):
     the model goes to paraxis_hf.limits and is refused at preflight instead."""
     import paraxis
     from paraxis.parallel.stages import StageParityError
-    from paraxis_hf.coverage import build_family, causal_lm_types
-    from paraxis_hf.coverage.checks import _train, compare
+    from paraxis_coverage.checks import _train, compare
+    from paraxis_hf.families import build_family, causal_lm_types
 
     def crash(*args, **kwargs):
         raise StageParityError("LlamaForCausalLM: a pipeline stage cannot run this "
@@ -360,8 +358,8 @@ def test_a_drifting_run_is_passed_only_from_the_reference_weights_and_float64():
     reference's own weights, and one process in float32 is 2.3e-4 off float64 there
     (the layout 2.2e-4): ill-conditioned. A layout wrong at the reference's weights, a
     reference that float64 confirms, or a layout farther from float64 stay failures."""
-    from paraxis_hf.coverage.checks import compare
-    from paraxis_hf.coverage.drift import drift_explained
+    from paraxis_coverage.checks import compare
+    from paraxis_coverage.drift import drift_explained
 
     ref = {"losses": [5.538076, 5.540164, 5.511240], "norms": [14.36712, 13.25554, 11.14923]}
     exact = {"losses": [5.538076, 5.540169, 5.511277], "norms": [14.36712, 13.25246, 11.15674]}
@@ -384,7 +382,7 @@ def test_a_drifting_run_is_passed_only_from_the_reference_weights_and_float64():
 def test_the_readme_states_the_running_time_of_the_run_it_copies():
     """The README said 11 minutes while docs/coverage.md said 7.1: the time is now copied
     with the table, from the same run."""
-    from paraxis_hf.coverage.report import readme_table
+    from paraxis_coverage.report import readme_table
 
     md = ("transformers 5.24.0; the whole matrix took 9.5 minutes on 2 cores. How it is "
           "made: ...\n| data=2 | 158 types | 157 | 1 | 0 | 0 |  |\n")

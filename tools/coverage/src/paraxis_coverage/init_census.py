@@ -1,15 +1,15 @@
 """Which families ``paraxis train`` builds on the meta device, each checked against eager.
 
-    python -m paraxis_hf.coverage.init_census        every type; the counts and the
+    python -m paraxis_coverage.init_census        every type; the counts and the
                                                      sentence docs/architecture.md quotes
-    python -m paraxis_hf.coverage.init_census gpt2   some of them, with their reasons
+    python -m paraxis_coverage.init_census gpt2   some of them, with their reasons
 
 Every text-only causal LM type of the coverage matrix (its tiny config,
-:func:`paraxis_hf.coverage.families.build_family`) is built as the trainer builds it,
+:func:`paraxis_hf.families.build_family`) is built as the trainer builds it,
 ``paraxis_hf.build.deferred_or_reason``: it *replays* (each parameter's rule recorded),
 is *refused* (the trainer builds it whole, with the reason), or
 *does not build* even whole. A replayed family is then compared with an eager build of
-the same config (:func:`paraxis_hf.coverage.init_compare.rule_mismatches`): the same
+the same config (:func:`paraxis_coverage.init_compare.rule_mismatches`): the same
 parameter names and shapes, each rule the distribution the eager tensor came from, the
 rule's own draw too, and the buffers equal.
 """
@@ -23,8 +23,8 @@ import warnings
 
 import torch
 
-from paraxis_hf.coverage.families import Family, build_family, build_model, causal_lm_types
-from paraxis_hf.coverage.init_compare import rule_mismatches
+from paraxis_coverage.init_compare import rule_mismatches
+from paraxis_hf.families import Family, build_family, build_model, causal_lm_types
 from paraxis_hf.invariant_init import InitRule, piece_values
 
 __all__ = ["InitCensusRow", "census", "census_family", "census_sentence", "main"]

@@ -12,7 +12,7 @@ must agree at the shared tolerance
 (:mod:`paraxis.testing.tolerance`), and a layout that shards must prove it did (the
 *shard proof*: parameters sharded or layers handed to the other stage, on every rank,
 and each rank's parameter bytes equal to what its placements claim, below the whole
-model's, and equal to what the plan and degrees give: :mod:`paraxis_hf.coverage.shares`).
+model's, and equal to what the plan and degrees give: :mod:`paraxis_coverage.shares`).
 
 A cell has one of four statuses: *pass*; *explained*, a pass with a stated cause for a
 difference (an ill-conditioned model: see :func:`split_explained`), counted apart;
@@ -29,82 +29,28 @@ catch every exception so one family's failure leaves the world usable, and say s
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import math
 from typing import Any
 
 import torch
 
-__all__ = ["BATCH", "CHECKS", "HISTORY", "STATUSES", "STEPS", "Check", "Outcome",
-           "available_checks", "compare", "first_step", "histories", "own_loss", "parallel_run",
-           "preflight_refusal", "reference_run", "settle", "shard_proof", "split_explained"]
-
-STEPS, BATCH, LR = 3, 4, 1e-3
-IGNORED = 5  # the first labels of sample 0 are -100: data ranks hold uneven token counts
-STATUSES = ("pass", "explained", "refused", "fail")
-# What each step reports that must equal one process's: the key of a run's result, and
-# the words a mismatch is said with. A router loss (a model with experts) is its own
-# series: it holds a small share of the gradient norm, so a norm cannot speak for it.
-HISTORY = (("losses", "loss"), ("norms", "gradient norm"),
-           ("aux", "router load-balancing loss"))
-AUX_LOSS = "moe/aux_loss"  # paraxis_moe.router.AUX_LOSS, as the engine reports it
-# Checks whose axis shards the model (the shard proof applies), by the grid axis.
-SHARDING = {"tensor": "tensor", "pipeline": "pipeline", "expert": "expert"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Check:
-    """A column: ``parallelize`` keywords on 2 ranks; ``axis`` is the package it needs
-    (the column appears when that axis' strategy is registered)."""
-
-    name: str
-    kwargs: dict[str, Any]
-    axis: str
-
-    @property
-    def world(self) -> int:
-        from paraxis import ParallelConfig
-
-        return ParallelConfig.from_kwargs(**self.kwargs).world_size
-
-    @property
-    def microbatches(self) -> int:
-        return int(self.kwargs.get("microbatches", 1))
-
-
-CHECKS = (
-    Check("data=2", {"data": 2}, "data"),
-    Check("tensor=2", {"tensor": 2}, "tensor"),
-    Check("tensor=2 SP", {"tensor": 2, "sequence_parallel": True}, "tensor"),
-    Check("pipeline=2", {"pipeline": 2, "microbatches": 2, "pipeline_schedule": "1f1b"},
-          "pipeline"),
-    Check("expert=2", {"expert": 2}, "expert"),
-    Check("context=2", {"context": 2}, "context"),
+from paraxis_coverage.cells import (
+    AUX_LOSS,
+    BATCH,
+    HISTORY,
+    IGNORED,
+    LR,
+    SHARDING,
+    STEPS,
+    Check,
+    Outcome,
 )
+from paraxis_coverage.shares import expected_on_rank, proven, whole_layout
+from paraxis_coverage.weights import full_weights, set_weights
 
-
-def available_checks() -> list[Check]:
-    """The checks whose axis has a registered strategy (expert and context appear when
-    paraxis-moe-ep and paraxis-seq-context are installed and register theirs)."""
-    from paraxis.engine.plugins import collect_strategies, make_plugin_manager
-
-    axes = set(collect_strategies(make_plugin_manager()))
-    return [c for c in CHECKS if c.axis in axes]
-
-
-@dataclasses.dataclass(frozen=True)
-class Outcome:
-    """A cell: ``pass``, ``explained``, ``refused`` or ``fail``, with the reason (and, for
-    a pass, the shard proof)."""
-
-    status: str
-    detail: str = ""
-    seconds: float = 0.0
-
-    def cell(self) -> str:
-        return self.status if not self.detail else f"{self.status}: {self.detail}"
-
+__all__ = ["compare", "first_step", "histories", "own_loss", "parallel_run",
+           "preflight_refusal", "reference_run", "settle", "shard_proof", "split_explained"]
 
 def _first_line(exc: BaseException) -> str:
     from paraxis_hf.shrink import first_line
@@ -125,21 +71,19 @@ def _train(model_type: str, overrides: dict[str, Any], kwargs: dict[str, Any],
            anchors: list[dict[str, torch.Tensor]] | None = None) -> dict[str, Any]:
     """Train :data:`STEPS` steps; ``dtype`` casts the model first, ``record`` keeps the
     weights each step starts from (a world of one), ``anchors`` sets them before each
-    step (see :mod:`paraxis_hf.coverage.drift`)."""
+    step (see :mod:`paraxis_coverage.drift`)."""
     import paraxis
     from paraxis import ConfigError, ParallelConfig, PlanError
     from paraxis.engine.probe import ParityError
     from paraxis.parallel.stages import StageParityError
     from paraxis.testing.parity import local_gradients
-    from paraxis_hf.coverage.families import build_model
+    from paraxis_hf.families import build_model
     from paraxis_hf.shrink import SEQ, VOCAB
 
     model = build_model(model_type, overrides)
     if dtype is not None:
         model = model.to(dtype)
     whole = _parameter_bytes(model.parameters())
-    from paraxis_hf.coverage.shares import whole_layout
-
     layout = whole_layout(model)
     g = torch.Generator().manual_seed(3)
     batches = []
@@ -169,8 +113,6 @@ def _train(model_type: str, overrides: dict[str, Any], kwargs: dict[str, Any],
         history = []
         for step, share in enumerate(shares):
             if anchors is not None or record:
-                from paraxis_hf.coverage.drift import full_weights, set_weights
-
                 if anchors is not None:
                     set_weights(engine.model, anchors[step])
                 if record:
@@ -195,11 +137,9 @@ def shard_proof(engine: Any, whole: int, layout: dict[str, Any] | None = None
     layers and entries handed to other pipeline stages, the bytes it holds, the bytes
     its placements claim, the experts left whole on every tensor rank, and (given the
     whole model's ``layout``) the bytes the plan and the degrees say it should hold
-    (:func:`paraxis_hf.coverage.shares.expected_share`)."""
+    (:func:`paraxis_coverage.shares.expected_share`)."""
     from paraxis.parallel.placement import placement_of
     from paraxis.parallel.standins import Absent, SkipLayer
-    from paraxis_hf.coverage.shares import expected_on_rank
-
     params = list({id(p): p for p in engine.model.parameters()}.values())
     records = [placement_of(p) for p in params]
     kept = engine.plan.extra.get("experts_kept_whole", ())
@@ -314,8 +254,6 @@ def compare(reference: dict[str, Any], results: list[dict[str, Any]],
                 assert_losses_close(got, reference[key], what)
             except AssertionError:
                 return Outcome("fail", _mismatch(what, got, reference[key]))
-    from paraxis_hf.coverage.shares import proven
-
     return proven(check, results)
 
 

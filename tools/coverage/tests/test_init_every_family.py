@@ -2,7 +2,7 @@
 (issue 32), and the counts docs/architecture.md quotes are this census's.
 
 Each text-only causal LM type of the coverage matrix is built as the trainer builds it
-(:mod:`paraxis_hf.coverage.init_census`); each one that replays is compared, parameter by
+(:mod:`paraxis_coverage.init_census`); each one that replays is compared, parameter by
 parameter, with an eager build of the same tiny config: the rule must be the
 distribution the eager tensor was drawn from (mean, std, Kolmogorov-Smirnov, the reach
 of its extremes, its support; constants and padding rows exactly), at the allowances
@@ -31,7 +31,7 @@ def rows():
 
     from transformers.utils import logging as hf_logging
 
-    from paraxis_hf.coverage.init_census import census
+    from paraxis_coverage.init_census import census
 
     hf_logging.set_verbosity_error()
     with warnings.catch_warnings():
@@ -53,7 +53,7 @@ def test_the_documented_counts_are_this_census(rows):
     names; under another release the counts differ by design and are not compared."""
     import transformers
 
-    from paraxis_hf.coverage.init_census import census_sentence
+    from paraxis_coverage.init_census import census_sentence
 
     doc = " ".join(ARCHITECTURE.read_text().split())
     quoted = re.search(r"text-only causal LM types of transformers (\S+) \(the coverage", doc)
@@ -63,13 +63,13 @@ def test_the_documented_counts_are_this_census(rows):
                     f"{transformers.__version__} is installed")
     assert census_sentence(rows) in doc, (
         f"docs/architecture.md's init counts are not this census's ({census_sentence(rows)}); "
-        "regenerate with python -m paraxis_hf.coverage.init_census")
+        "regenerate with python -m paraxis_coverage.init_census")
 
 
 def planted_row(family, monkeypatch, plant):
+    from paraxis_coverage.init_census import census_family
     from paraxis_hf import init_rules, materialize
-    from paraxis_hf.coverage.families import build_family, causal_lm_types
-    from paraxis_hf.coverage.init_census import census_family
+    from paraxis_hf.families import build_family, causal_lm_types
 
     if plant == "trunc_normal_ unseen on meta":
         monkeypatch.setattr(init_rules, "_recording_init_functions",
