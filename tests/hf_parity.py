@@ -3,11 +3,11 @@ on random tokens under some degrees, against the same model in one process.
 
 The first step's gradients (parameter by parameter, gathered through the placements; a
 router loss's included, as a step back-propagates it), per-step losses and gradient
-norms, an evaluation loss and the gathered final weights
-must agree at the shared tolerance (paraxis.testing.tolerance); DeepSeek-V3's correction
-biases, under ``moe.bias_update_rate``, must equal one process's after every step.
-Functions here run on the ranks of the ``worlds`` fixture (spawned workers import this
-module by name).
+norms, an evaluation loss and the gathered final weights must agree at the shared
+tolerances (paraxis.testing.tolerance), derived from the run's ``train.precision``;
+DeepSeek-V3's correction biases, under ``moe.bias_update_rate``, must equal one process's
+after every step. Functions here run on the ranks of the ``worlds`` fixture (spawned
+workers import this module by name).
 """
 
 from __future__ import annotations
@@ -17,16 +17,26 @@ import torch
 import paraxis
 from paraxis import ParallelConfig
 from paraxis.testing.parity import (
+    assemble,
     assert_same_gradients,
+    assert_same_sgd_weights,
     assert_same_weights,
     local_gradients,
     local_shards,
 )
-from paraxis.testing.tolerance import STEP_RTOL, assert_losses_close
+from paraxis.testing.tolerance import (
+    assert_losses_close,
+    gradient_errors,
+    loss_rtol,
+    precision_rtol,
+    sgd_weight_errors,
+)
 from paraxis_hf import build_debug_model
 
 LR, BATCH, SEQ = 1e-3, 8, 16
+IGNORED = 9  # labels of sample 0 set to -100 (see train)
 _REFERENCES: dict[tuple, tuple] = {}
+_STARTS: dict[tuple, tuple] = {}
 
 
 def reference_order(count, microbatches, batch=BATCH):
@@ -62,7 +72,7 @@ def train(family, degrees, overrides, steps, options, order=None, seq=SEQ, batch
     for _ in range(steps):
         ids = torch.randint(0, vocab, (batch, seq), generator=g)
         labels = ids.clone()
-        labels[0, :9] = -100  # uneven token counts over the data ranks
+        labels[0, :IGNORED] = -100  # uneven token counts over the data ranks
         if order is not None:
             ids, labels = ids[order], labels[order]
         share = {"input_ids": ids[part], "labels": labels[part]}
@@ -80,15 +90,17 @@ def train(family, degrees, overrides, steps, options, order=None, seq=SEQ, batch
 
 
 def compare(worlds, family, degrees, *, overrides=None, steps=8, seq=SEQ, batch=BATCH,
-            recipe=None, rtol=STEP_RTOL, **options):
+            recipe=None, rtol=None, **options):
     """Run ``degrees`` and one process on ``family`` (``batch`` sequences of ``seq``
-    tokens per step), both with ``recipe`` (train options); assert parity at ``rtol``;
-    return the runs.
+    tokens per step), both with ``recipe`` (train options); assert parity; return the
+    runs.
 
     The reference runs the same microbatches (see :func:`reference_order`) and the same
     ``moe`` section; a router loss, when the model has one, is compared per step too.
-    Weights are compared in fp32 only (see BF16_RTOL in paraxis.testing.tolerance); a
-    ``compile`` in the recipe applies to the parallel run only (the reference is eager)."""
+    Tolerances follow ``train.precision`` (:func:`tolerances`) unless ``rtol`` is given
+    for every check. Weights are compared after fp32 Adam steps, and after SGD steps
+    (``optimizer: sgd``) in any precision, relative to how far they moved; a ``compile``
+    in the recipe applies to the parallel run only (the reference is eager)."""
     recipe = recipe or {}
     reference_recipe = {k: v for k, v in recipe.items() if k != "compile"}
     overrides = overrides or {}
@@ -105,24 +117,86 @@ def compare(worlds, family, degrees, *, overrides=None, steps=8, seq=SEQ, batch=
     ref_history, ref_eval, ref_shards, ref_grads = _REFERENCES[key]
     out = worlds.run(config.world_size, train, family, degrees, overrides, steps, options,
                      None, seq, batch, recipe)
-    print(f"{family} {degrees} {options}: worst relative difference over {steps} steps "
-          + ", ".join(f"{what} {_worst(out, ref_history, i):.1e}" for i, what in
-                      enumerate(("loss", "grad norm", "router loss"))
-                      if ref_history[0][i] is not None))
-    assert_same_gradients([g for *_, g in out], ref_grads, rtol=rtol)
+    precision = recipe.get("precision", "fp32")
+    sgd = recipe.get("optimizer") == "sgd"
+    initial, logit_rms, tokens = (_start(family, overrides, seq, batch)
+                                  if sgd or precision != "fp32" else (None, 0.0, 0))
+    grad_rtol, lrtol = tolerances(precision, rtol, logit_rms=logit_rms, tokens=tokens,
+                                  loss=ref_history[0][0])
+    _report(family, degrees, options, out, _REFERENCES[key], initial if sgd else None,
+            steps=steps, grad_rtol=grad_rtol, loss_rtol=lrtol)
+    assert_same_gradients([g for *_, g in out], ref_grads, rtol=grad_rtol)
     if ref_history[0][3] is not None:  # routing state first: the losses follow from it
         _assert_same_biases([history for history, *_ in out], ref_history)
     for history, eval_loss, _, _ in out:
-        assert_losses_close([h[0] for h in history], [h[0] for h in ref_history], rtol=rtol)
+        assert_losses_close([h[0] for h in history], [h[0] for h in ref_history], rtol=lrtol)
         assert_losses_close([h[1] for h in history], [h[1] for h in ref_history],
-                            "gradient norms", rtol=rtol)
+                            "gradient norms", rtol=grad_rtol)
         if ref_history[0][2] is not None:
             assert_losses_close([h[2] for h in history], [h[2] for h in ref_history],
-                                "router load-balancing losses", rtol=rtol)
-        assert_losses_close([eval_loss], [ref_eval], "evaluation loss", rtol=rtol)
-    if recipe.get("precision", "fp32") == "fp32":
+                                "router load-balancing losses", rtol=grad_rtol)
+        assert_losses_close([eval_loss], [ref_eval], "evaluation loss", rtol=lrtol)
+    if sgd:
+        assert_same_sgd_weights([s for _, _, s, _ in out], ref_shards, initial,
+                                rtol=grad_rtol, steps=steps)
+    elif precision == "fp32":
         assert_same_weights([s for _, _, s, _ in out], ref_shards, lr=LR, steps=steps)
     return out
+
+
+def tolerances(precision, rtol=None, *, logit_rms, tokens, loss):
+    """(per-parameter gradients, gradient norms, router losses and SGD weights; losses)
+    for a run in ``precision`` (paraxis.testing.tolerance: :func:`precision_rtol`,
+    :func:`loss_rtol`), or ``rtol`` for both where a test gives one."""
+    if rtol is not None:
+        return rtol, rtol
+    return precision_rtol(precision), loss_rtol(precision, logit_rms=logit_rms, loss=loss,
+                                                tokens=tokens)
+
+
+def _start(family, overrides, seq, batch):
+    """What every run of ``family`` starts from, built here as one process builds it:
+    the initial weights by global name (an SGD step's displacement is measured from
+    them), the rms of the logits of the first batch (the low-precision loss tolerance
+    scales with it) and that batch's scoring tokens. Cached per session."""
+    key = (family, repr(sorted(overrides.items())), seq, batch)
+    if key not in _STARTS:
+        with torch.random.fork_rng(devices=[]):  # the build seeds torch's generator
+            model = build_debug_model(family, **overrides)
+        ids = torch.randint(0, model.config.vocab_size, (batch, seq),
+                            generator=torch.Generator().manual_seed(3))  # train's first
+        with torch.no_grad():
+            logits = model(ids).logits
+        tokens = batch * (seq - 1) - (IGNORED - 1)  # targets are the next tokens
+        initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+        _STARTS[key] = initial, float(logits.double().pow(2).mean().sqrt()), tokens
+    return _STARTS[key]
+
+
+def _report(family, degrees, options, out, reference, initial, *, steps, grad_rtol,
+            loss_rtol):
+    """Print the worst differences against what is allowed (``pytest -s``)."""
+    ref_history, _, ref_shards, ref_grads = reference
+    parts = [f"{what} {_worst(out, ref_history, i):.1e}" for i, what in
+             enumerate(("loss", "grad norm", "router loss")) if ref_history[0][i] is not None]
+    got, want = _common(assemble([g for *_, g in out]), assemble([ref_grads]))
+    grads = gradient_errors(got, want)
+    name = max(grads, key=grads.get)
+    parts.append(f"first-step gradient {grads[name]:.1e} ({name})")
+    if initial is not None:
+        got, want = _common(assemble([s for _, _, s, _ in out]), assemble([ref_shards]),
+                            initial)
+        shares = sgd_weight_errors(got, want, initial, rtol=grad_rtol, steps=steps)
+        name = max(shares, key=shares.get)
+        parts.append(f"weights {shares[name]:.2f} of their bound ({name})")
+    print(f"{family} {degrees} {options}: worst relative difference over {steps} steps "
+          + ", ".join(parts) + f"; allowed: loss {loss_rtol:.1e}, gradients {grad_rtol:.1e}")
+
+
+def _common(got, want, initial=None):
+    """The parameters every side holds (the assertions after the report name others)."""
+    held = got.keys() & (initial.keys() if initial is not None else got.keys())
+    return got, {name: w for name, w in want.items() if name in held}
 
 
 def _worst(out, reference, i):

@@ -272,7 +272,7 @@ def train_family(family, overrides):
 def test_paraxis_train_builds_the_family_at_its_eager_spread(worlds, family):
     import math
 
-    from paraxis.testing.tolerance import SampleAllowance
+    from paraxis.testing.samples import SampleAllowance
     from paraxis_hf.families import build_family, build_model, causal_lm_types
 
     tiny = build_family(family, causal_lm_types()[family])

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.nn.init import trunc_normal_ as bound_trunc_normal  # escapes transformers' guard
 
-from paraxis.testing.tolerance import SampleAllowance
+from paraxis.testing.samples import SampleAllowance
 from paraxis_hf.invariant_init import Copy, Draw, Fill, InitRule, piece_values
 
 pytest.importorskip("transformers")

@@ -6,7 +6,7 @@ Each text-only causal LM type of the coverage matrix is built as the trainer bui
 parameter, with an eager build of the same tiny config: the rule must be the
 distribution the eager tensor was drawn from (mean, std, Kolmogorov-Smirnov, the reach
 of its extremes, its support; constants and padding rows exactly), at the allowances
-``paraxis.testing.tolerance.SampleAllowance`` derives from each tensor's size. Planted:
+``paraxis.testing.samples.SampleAllowance`` derives from each tensor's size. Planted:
 a recorder blind to ``trunc_normal_`` on meta (torch 2.13 returns before any Tensor
 method) and ties recorded after their target's init each fail it.
 """

@@ -3,7 +3,7 @@
 The deferred model draws other numbers than the eager one (same distribution, other
 stream), so a rule is not compared value by value: the eager tensor is taken as n draws
 from the family's own init, and the rule must be the distribution they came from. Each
-statistic has the allowance :class:`paraxis.testing.tolerance.SampleAllowance` derives
+statistic has the allowance :class:`paraxis.testing.samples.SampleAllowance` derives
 from n: the mean, the std, the largest gap between the empirical and the rule's CDF
 (Kolmogorov-Smirnov), the reach of the extremes into the rule's tails, and the support,
 exactly. Truncation is seen both ways: a cut eager tensor fails an uncut rule by its
@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from paraxis.testing.tolerance import SampleAllowance
+from paraxis.testing.samples import SampleAllowance
 from paraxis_hf.invariant_init import Copy, Draw, Fill, InitRule
 
 __all__ = ["rule_mismatches", "rule_moments"]

@@ -38,9 +38,10 @@ from paraxis.engine.loss import causal_lm_loss_sum
 from paraxis.engine.masks import MaskSupport
 from paraxis.engine.metrics import Tracer, memory_stats, model_flops_per_token, step_metrics
 from paraxis.engine.optim import WarmupCosine, clip_and_step
-from paraxis.engine.precision import LossScaler, autocast
+from paraxis.engine.precision import LossScaler, autocast, unscale_and_check
 from paraxis.parallel.batch import Batch
 from paraxis.parallel.model_plan import ModelPlan
+from paraxis.parallel.optimizers import optimizer_params
 from paraxis.parallel.strategy import ApplyContext
 from paraxis.runtime.collectives import all_gather_into, all_reduce_, barrier
 from paraxis.runtime.grid import DENSE_REPLICA_AXES, Grid
@@ -242,15 +243,19 @@ class Engine:
         gradients checks theirs too (issue 32); ``aux=False`` leaves them out (a
         reference that cannot compute them). Modules count no statistics in it
         (``AuxLosses.checking``). The parity probe and the gradient parity checks read
-        them."""
+        them. In fp16 they are what the optimizer would step: back-propagated from the
+        objective times the current loss scale, then unscaled (without one, gradients
+        below fp16's smallest normal, 6e-5, lose their bits: issue 32)."""
         self.model.train(train_mode)
         self._fp32_only = not in_precision
         self.ctx.aux_losses.checking = aux
         try:
             batch, tokens = self._prepare(batch)
             microbatches = batch.chunk(self.config.schedule.microbatches)
-            scale = self.replicas.size / tokens.clamp(min=1)
-            aux_scale = self.replicas.size / len(microbatches) if aux else 0.0
+            scaler = self.loss_scaler if in_precision else None
+            loss_scale = scaler.scale if scaler is not None else 1.0
+            scale = self.replicas.size / tokens.clamp(min=1) * loss_scale
+            aux_scale = self.replicas.size / len(microbatches) * loss_scale if aux else 0.0
             if self.ctx.forward_backward is not None:
                 with self.ctx.no_sync():
                     self.ctx.forward_backward(microbatches, self.loss_fn, scale, True,
@@ -258,6 +263,9 @@ class Engine:
             else:
                 self._forward_backward(microbatches, scale, aux_scale)
             self.ctx.finish_grad_sync()
+            if scaler is not None:  # an overflow shows as inf in the gradients read
+                unscale_and_check(optimizer_params(self.optimizer), 1.0 / loss_scale,
+                                  self.grid)
             yield
         finally:
             self._fp32_only = False

@@ -25,19 +25,28 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["BF16_RTOL", "BF16_UNIT_ROUNDOFF", "BF16_WIRE_RTOL", "FP32_UNIT_ROUNDOFF",
-           "LARGEST_REDUCTION", "REDUCTION_RTOL", "bf16_wire_rtol", "reduction_rtol"]
+__all__ = ["BF16_RTOL", "BF16_UNIT_ROUNDOFF", "BF16_WIRE_RTOL", "FP16_RTOL",
+           "FP16_UNIT_ROUNDOFF", "FP32_UNIT_ROUNDOFF", "LARGEST_REDUCTION", "LAYOUT_ROUNDINGS",
+           "REDUCTION_RTOL", "UNIT_ROUNDOFF", "bf16_wire_rtol", "reduction_rtol"]
 
 FP32_UNIT_ROUNDOFF = 2.0 ** -24
-# bf16 keeps 8 significant bits. Its budgets count roundings of u rather than terms of a
-# sum, because one bf16 rounding (3.9e-3) outweighs any fp32 reduction's noise:
+# bf16 keeps 8 significant bits, fp16 11. Their budgets count roundings of u rather than
+# terms of a sum, because one such rounding (3.9e-3, 4.9e-4) outweighs any fp32
+# reduction's noise:
 # * BF16_WIRE_RTOL, a gradient sent over a bf16 reduction (parallelism.reduce_dtype):
 #   each rank's part rounded before the sum, the sum rounded after: 2u;
-# * BF16_RTOL, a step computed in bf16 on both sides (train.precision), where a layout
-#   moves where results are rounded: derived in paraxis.testing.tolerance, 4u.
+# * BF16_RTOL and FP16_RTOL, a gradient computed in that dtype on both sides
+#   (train.precision), where a layout moves where results are rounded: at most
+#   LAYOUT_ROUNDINGS of them per element, so 4u. Derived, with what it implies for the
+#   loss and for weights after SGD steps, in paraxis.testing.tolerance.
 BF16_UNIT_ROUNDOFF = 2.0 ** -8
+FP16_UNIT_ROUNDOFF = 2.0 ** -11
+UNIT_ROUNDOFF = {"fp32": FP32_UNIT_ROUNDOFF, "bf16": BF16_UNIT_ROUNDOFF,
+                 "fp16": FP16_UNIT_ROUNDOFF}
+LAYOUT_ROUNDINGS = 4
 BF16_WIRE_RTOL = 2 * BF16_UNIT_ROUNDOFF
-BF16_RTOL = 4 * BF16_UNIT_ROUNDOFF
+BF16_RTOL = LAYOUT_ROUNDINGS * BF16_UNIT_ROUNDOFF
+FP16_RTOL = LAYOUT_ROUNDINGS * FP16_UNIT_ROUNDOFF
 LARGEST_REDUCTION = 25_000
 REDUCTION_RTOL = 1e-5
 assert FP32_UNIT_ROUNDOFF * math.sqrt(LARGEST_REDUCTION) <= REDUCTION_RTOL

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -9,10 +11,16 @@ from torch import nn
 
 from paraxis.checkpoint.format import optimizer_params
 from paraxis.parallel.placement import Placement, placement_of
-from paraxis.testing.tolerance import STEP_RTOL, assert_gradients_close, assert_weights_close
+from paraxis.testing.tolerance import (
+    STEP_RTOL,
+    assert_gradients_close,
+    assert_sgd_weights_close,
+    assert_weights_close,
+)
 
-__all__ = ["assemble", "assert_same_gradients", "assert_same_weights", "local_gradients",
-           "local_shards", "random_token_shares", "train_on_random_tokens"]
+__all__ = ["assemble", "assert_same_gradients", "assert_same_sgd_weights",
+           "assert_same_weights", "local_gradients", "local_shards", "random_token_shares",
+           "stepped_gradients", "train_on_random_tokens"]
 
 Shards = dict[str, tuple[torch.Tensor, Placement]]
 
@@ -45,14 +53,43 @@ def local_gradients(engine: Any, batch: Any, *, in_precision: bool = False) -> S
 
 
 def _gradients(engine: Any, batch: Any, *, train_mode: bool, in_precision: bool) -> Shards:
-    out: Shards = {}
     with engine.fp32_backward(batch, train_mode=train_mode, in_precision=in_precision):
-        for p in optimizer_params(engine.optimizer):
-            rec = placement_of(p)
-            if not rec.mirror:
-                grad = p.grad if p.grad is not None else torch.zeros_like(p)
-                out[rec.name] = (grad.detach().clone(), rec)
+        return _optimizer_gradients(engine.optimizer)
+
+
+def _optimizer_gradients(optimizer: torch.optim.Optimizer) -> Shards:
+    out: Shards = {}
+    for p in optimizer_params(optimizer):
+        rec = placement_of(p)
+        if not rec.mirror:
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            out[rec.name] = (grad.detach().clone(), rec)
     return out
+
+
+@contextlib.contextmanager
+def stepped_gradients(engine: Any) -> Iterator[Shards]:
+    """Within it, the first ``train_step`` records the gradients its optimizer steps,
+    as :func:`local_gradients` names them: after fp16's unscale and any clipping, read
+    at the optimizer's ``step`` (empty if the step was skipped)."""
+    out: Shards = {}
+    optimizer = engine.optimizer
+    own = optimizer.__dict__.get("step")  # an instance's own step, else the class's
+    step = optimizer.step
+
+    def record(*args: Any, **kwargs: Any) -> Any:
+        if not out:
+            out.update(_optimizer_gradients(optimizer))
+        return step(*args, **kwargs)
+
+    optimizer.step = record
+    try:
+        yield out
+    finally:
+        if own is None:
+            del optimizer.step
+        else:
+            optimizer.step = own
 
 
 def assert_same_gradients(per_rank: list[Shards], reference: Shards, *,
@@ -128,3 +165,16 @@ def assert_same_weights(per_rank: list[dict[str, tuple[torch.Tensor, Placement]]
     assert full.keys() == ref.keys(), sorted(full.keys() ^ ref.keys())
     for name in ref:
         assert_weights_close(full[name], ref[name], lr=lr, steps=steps, what=name)
+
+
+def assert_same_sgd_weights(per_rank: list[Shards], reference: Shards,
+                            initial: dict[str, torch.Tensor], *, rtol: float,
+                            steps: int) -> None:
+    """The ranks' shards, assembled, against the one-process reference after ``steps``
+    SGD steps from the ``initial`` weights both started from (full tensors by global
+    name), per parameter relative to its displacement
+    (:func:`paraxis.testing.tolerance.assert_sgd_weights_close`)."""
+    full, ref = assemble(per_rank), assemble([reference])
+    assert full.keys() == ref.keys() == initial.keys(), sorted(
+        (full.keys() | initial.keys()) ^ ref.keys())
+    assert_sgd_weights_close(full, ref, initial, rtol=rtol, steps=steps)
