@@ -21,7 +21,10 @@ two pairs that alternate step by step:
   embedding reduce-scattering.
 
 Every step does forward, loss, backward, global-norm clipping at 1.0 and AdamW with
-paraxis's settings (betas 0.9/0.95, weight decay 0.1 on matrices only, lr 1e-4). A first
+paraxis's settings (betas 0.9/0.95, weight decay 0.1 on matrices only, lr 1e-4); the
+DTensor peers step their parameters' local tensors as paraxis does
+(:class:`local_step.LocalAdamW`; they stepped every DTensor parameter through DTensor's
+dispatch until issue 32). A first
 unmeasured step checks that all four train the same model (equal first-step loss) and
 counts bytes sent per rank: paraxis's ``comm/tensor_bytes``, the DTensor peer's at its
 collectives (:class:`wire_bytes.WireBytes`, the same bus convention). Both are compared
@@ -36,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from common import build_llama, llama_parser, machine, ratio_line, rounds, summary, write_section
+from local_step import LocalAdamW
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -52,6 +56,12 @@ import paraxis
 from paraxis import shutdown
 
 PAIRS = ("tp", "sp")
+# The last ratios measured with peers that stepped AdamW and clipped through DTensor's
+# dispatch (RESULTS.md at fa944ef), kept beside the new ones for one release (issue 32).
+BEFORE = ("Before issue 32 the DTensor peers stepped AdamW and clipped on every DTensor "
+          "parameter (DTensor's per-op dispatch, foreach off): paraxis / DTensor was 0.738 "
+          "[0.704–0.749] (tensor parallel) and 0.585 [0.572–0.615] (+ sequence parallel), "
+          "both met; those ratios flattered paraxis by the peer's optimizer overhead.")
 LR, BETAS, DECAY = 1e-4, (0.9, 0.95), 0.1
 
 
@@ -92,35 +102,21 @@ def dtensor_model(args, mesh, *, sp: bool) -> torch.nn.Module:
     return model
 
 
-def clip_mixed(params: list[torch.nn.Parameter], max_norm: float) -> None:
-    """clip_grad_norm_ over DTensor (sharded) and plain (replicated norm weights)
-    gradients, which torch's foreach kernels refuse to mix under tensor parallelism."""
-    sharded = [p for p in params if isinstance(p.grad, DTensor)]
-    plain = [p for p in params if p.grad is not None and not isinstance(p.grad, DTensor)]
-    norm_sq = torch.nn.utils.get_total_norm([p.grad for p in sharded]).full_tensor() ** 2
-    if plain:
-        norm_sq = norm_sq + torch.nn.utils.get_total_norm([p.grad for p in plain]) ** 2
-    total = norm_sq.sqrt()
-    if plain:
-        torch.nn.utils.clip_grads_with_norm_(plain, max_norm, total)
-    torch.nn.utils.clip_grads_with_norm_(sharded, max_norm, total, foreach=False)
-
-
 def dtensor_stepper(model: torch.nn.Module):
-    """forward, vocab-parallel loss, backward, clip, AdamW; returns the loss."""
-    params = list(model.parameters())
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": DECAY},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS)
+    """forward, vocab-parallel loss, backward, clip, AdamW; returns the loss. The
+    optimizer steps the parameters' local tensors (:class:`local_step.LocalAdamW`), as
+    paraxis does: AdamW on every DTensor parameter dispatched each op through DTensor
+    one parameter at a time and cost the peer about twice the optimizer time (issue 32;
+    the ratio before the change is kept beside the new one in RESULTS.md)."""
+    opt = LocalAdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=DECAY)
 
     def step(ids: torch.Tensor) -> float:
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad()
         logits = model(ids, use_cache=False).logits
         with loss_parallel():
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
             loss.backward()
-        clip_mixed(params, 1.0)
-        opt.step()
+        opt.step(1.0)
         return float((loss.full_tensor() if isinstance(loss, DTensor) else loss).detach())
     return step
 
@@ -229,6 +225,8 @@ def write_result(args, world, run, ratios, first) -> None:
         "",
         ratio_line("Ratio paraxis / DTensor, + sequence parallel (median step time)",
                    ratios["sp"]),
+        "",
+        BEFORE,
     ])
     if not args.no_write:
         write_section("tp_vs_dtensor", table, {
