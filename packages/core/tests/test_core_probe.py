@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from paraxis import ParallelConfig
-from paraxis.engine.probe import ParityError, Probe, global_microbatches, own_router_coef
+from paraxis.engine.probe import ParityError, Probe
+from paraxis.engine.probe_model import global_microbatches, own_router_coef
 from paraxis.parallel.batch import Batch
 from paraxis.parallel.numerics import BF16_UNIT_ROUNDOFF, bf16_wire_rtol
 

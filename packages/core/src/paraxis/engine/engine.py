@@ -22,7 +22,7 @@ import contextlib
 import gc
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -34,14 +34,14 @@ from paraxis.checkpoint.write import save_checkpoint
 from paraxis.config.parallel import ParallelConfig
 from paraxis.config.run import TrainSection
 from paraxis.config.shape import ModelShape
+from paraxis.engine.gradient_check import fp32_backward
 from paraxis.engine.loss import causal_lm_loss_sum
 from paraxis.engine.masks import MaskSupport
 from paraxis.engine.metrics import Tracer, memory_stats, model_flops_per_token, step_metrics
 from paraxis.engine.optim import WarmupCosine, clip_and_step
-from paraxis.engine.precision import LossScaler, autocast, unscale_and_check
+from paraxis.engine.precision import LossScaler, autocast
 from paraxis.parallel.batch import Batch
 from paraxis.parallel.model_plan import ModelPlan
-from paraxis.parallel.optimizers import optimizer_params
 from paraxis.parallel.strategy import ApplyContext
 from paraxis.runtime.collectives import all_gather_into, all_reduce_, barrier
 from paraxis.runtime.grid import DENSE_REPLICA_AXES, Grid
@@ -231,48 +231,14 @@ class Engine:
         finally:
             self._fp32_only = False
 
-    @contextlib.contextmanager
     def fp32_backward(self, batch: Any, *, train_mode: bool = False,
-                      in_precision: bool = False, aux: bool = True) -> Iterator[None]:
-        """Within it, the gradients of this global batch's objective, back-propagated
-        through every axis in fp32 (``train.precision`` if ``in_precision``) and eval
-        mode (train mode if ``train_mode``: a dropout-free model whose backward needs it)
-        and synchronized, without stepping; cleared on exit. The objective is what
-        :meth:`train_step` back-propagates: the mean loss plus the auxiliary losses
-        (a router's load-balancing loss) at their training scale, so a check of these
-        gradients checks theirs too (issue 32); ``aux=False`` leaves them out (a
-        reference that cannot compute them). Modules count no statistics in it
-        (``AuxLosses.checking``). The parity probe and the gradient parity checks read
-        them. In fp16 they are what the optimizer would step: back-propagated from the
-        objective times the current loss scale, then unscaled (without one, gradients
-        below fp16's smallest normal, 6e-5, lose their bits: issue 32)."""
-        self.model.train(train_mode)
-        self._fp32_only = not in_precision
-        self.ctx.aux_losses.checking = aux
-        try:
-            batch, tokens = self._prepare(batch)
-            microbatches = batch.chunk(self.config.schedule.microbatches)
-            scaler = self.loss_scaler if in_precision else None
-            loss_scale = scaler.scale if scaler is not None else 1.0
-            scale = self.replicas.size / tokens.clamp(min=1) * loss_scale
-            aux_scale = self.replicas.size / len(microbatches) * loss_scale if aux else 0.0
-            if self.ctx.forward_backward is not None:
-                with self.ctx.no_sync():
-                    self.ctx.forward_backward(microbatches, self.loss_fn, scale, True,
-                                              aux_scale=aux_scale)
-            else:
-                self._forward_backward(microbatches, scale, aux_scale)
-            self.ctx.finish_grad_sync()
-            if scaler is not None:  # an overflow shows as inf in the gradients read
-                unscale_and_check(optimizer_params(self.optimizer), 1.0 / loss_scale,
-                                  self.grid)
-            yield
-        finally:
-            self._fp32_only = False
-            self.ctx.aux_losses.checking = False
-            self.optimizer.zero_grad(set_to_none=True)
-            self.ctx.aux_losses.clear()  # parts and carries a failed forward left
-            self.ctx.aux_losses.reset_totals()
+                      in_precision: bool = False, aux: bool = True,
+                      ) -> contextlib.AbstractContextManager[None]:
+        """Within it, this global batch's gradients, synchronized, without a step:
+        :func:`paraxis.engine.gradient_check.fp32_backward` (the parity probe's and the
+        gradient parity checks')."""
+        return fp32_backward(self, batch, train_mode=train_mode, in_precision=in_precision,
+                             aux=aux)
 
     # ---- state -----------------------------------------------------------------------
 
