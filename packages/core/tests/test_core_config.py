@@ -3,7 +3,7 @@
 import pytest
 
 from paraxis import ConfigError, ParallelConfig
-from paraxis.config.parallel import expand_env
+from paraxis.config.text import expand_env
 
 SEED_YAML = """
 parallelism: {data: ${DATA_PARALLEL_DEGREE}, tensor: ${TP:-1}, pipeline: 1, expert: 1}

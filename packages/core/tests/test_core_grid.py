@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from paraxis import AXES, Grid, GridLayout
-from paraxis.runtime.grid import DENSE_REPLICA_AXES, EXPERT_REPLICA_AXES
+from paraxis.runtime.grid import DENSE_REPLICA_AXES, EXPERT_REPLICA_AXES, standard_groups
 
 
 def factorizations(n):
@@ -65,7 +65,7 @@ def check_all_factorizations():
         grid = Grid.build(degrees)
         layout = GridLayout(degrees)
         assert grid.coords == layout.coords(rank)
-        for axes in Grid.STANDARD:
+        for axes in standard_groups(layout.table):
             g = grid.group(axes)
             assert list(g.ranks) == layout.group_of(rank, axes)
             assert g.ranks[g.rank] == rank

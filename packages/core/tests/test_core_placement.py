@@ -111,7 +111,7 @@ def test_nested_shards_read_back_from_a_checkpoint_on_another_layout(tmp_path):
     from paraxis.checkpoint.read import Reader
 
     full = torch.randn(10, 4)
-    base = Placement("w", (10, 4), torch.float32, replicated=("data", "tensor"))
+    base = Placement("w", (10, 4), torch.float32, replicated=("data", "context", "tensor"))
     tensor = [(base.sharded(dim=0, axis="tensor", offset=5 * t, length=5),
                full[5 * t:5 * t + 5]) for t in range(2)]
     shards = []

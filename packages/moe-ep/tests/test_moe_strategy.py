@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from paraxis import ParallelConfig
+from paraxis.config.axes import BUILTIN_AXES
 from paraxis.engine.plugins import collect_strategies, make_plugin_manager
 from paraxis.parallel.anatomy import find_anatomy
 from paraxis.parallel.aux_losses import AuxLosses
@@ -25,6 +26,7 @@ PLAN = ModelPlan("MixtralForCausalLM", experts=("model.layers.*.mlp",))
 
 class OneRankGrid:
     comm = CommStats()
+    axes = BUILTIN_AXES
 
     def group(self, axes):
         return AxisGroup(tuple([axes] if isinstance(axes, str) else axes), (0,), 0)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from paraxis.runtime.grid import DENSE_REPLICA_AXES, AxisGroup, Grid
+from paraxis.runtime.grid import AxisGroup, Grid
 
 __all__ = ["GridMPU"]
 
@@ -26,7 +26,7 @@ class GridMPU:
 
     def __init__(self, grid: Grid):
         self.grid = grid
-        self.data = grid.group(DENSE_REPLICA_AXES)
+        self.data = grid.group(grid.axes.token_axes)
         self.tensor = grid.group("tensor")
         self._own: list[Any] = []  # one-rank groups this object created
         self._single = self._singles() if grid.world_size > 1 and (

@@ -28,7 +28,7 @@ from torch import nn
 
 from paraxis.parallel.buckets import FlatAllReduce, MiB
 from paraxis.parallel.strategy import SyncOrder
-from paraxis.runtime.grid import DENSE_REPLICA_AXES, Grid
+from paraxis.runtime.grid import Grid
 
 __all__ = ["DataParallel"]
 
@@ -61,7 +61,7 @@ class DataParallel(FlatAllReduce):
         for b in self.buckets:
             if b.group.size > 1:
                 by_group.setdefault(b.group.axes, []).extend(b.params)
-        dense = self.grid.group(DENSE_REPLICA_AXES)
+        dense = self.grid.group(self.grid.axes.token_axes)
         if dense.size > 1:
             by_group.setdefault(dense.axes, []).extend(self.module.buffers())
         for axes, tensors in by_group.items():

@@ -34,7 +34,6 @@ from paraxis.parallel.anatomy import Anatomy
 from paraxis.parallel.stages import chunks_of
 from paraxis.parallel.strategy import ApplyContext, Phase, Strategy
 from paraxis.runtime.clock import Stopwatch
-from paraxis.runtime.grid import DENSE_REPLICA_AXES, SEQUENCE_SHARD_AXES
 from paraxis_moe.config import group_limit_problems, moe_config
 from paraxis_moe.expert_tensor import ExpertTensor, refusals
 from paraxis_moe.experts import UnsupportedMoELayout
@@ -85,7 +84,8 @@ class ExpertParallelStrategy(Strategy):
         # statistics are reduced over the tensor group too, and each rank's loss part is
         # its own, not a copy.
         routes_shard = par.sequence_parallel and par.tensor > 1
-        token_axes = SEQUENCE_SHARD_AXES if routes_shard else DENSE_REPLICA_AXES
+        axes = ctx.grid.axes
+        token_axes = axes.sequence_shard_axes if routes_shard else axes.token_axes
         ctx.aux_losses.split_over_tensor = routes_shard
         # The groups that split each sequence (DeepSeek-V3's sequence-wise loss sums its
         # per-sequence counts over them).

@@ -22,13 +22,13 @@ stage). Applying the strategy:
 
 Composition: the engine sums each rank's loss over its local tokens and divides by the
 global token count (all-reduced over ``data x expert x context``), and the data
-strategy averages dense gradients over the same group (core's ``DENSE_REPLICA_AXES``),
-times the replica count: exactly the one-process token mean. Heads are split by tensor
-first: the tensor axis shards the q/k/v projections (both axes apply in PARTITION, in
-either order), so the attention function receives this tensor rank's heads and Ulysses
-splits those again over context; under sequence parallelism the tensor axis cuts this
-rank's shard again and gathers it back at each block's input, so attention sees the
-whole shard. A pipeline stage
+strategy averages dense gradients over the same group (the grid's token axes,
+``grid.axes.token_axes``), times the replica count: exactly the one-process token
+mean. Heads are split by tensor first: the tensor axis shards the q/k/v projections
+(both axes apply in PARTITION: context first, then tensor), so the attention function
+receives this tensor rank's heads and Ulysses splits those again over context; under
+sequence parallelism the tensor axis cuts this rank's shard again and gathers it back
+at each block's input, so attention sees the whole shard. A pipeline stage
 receives ``(b, s/C / activation_sequence_shards, h)`` hidden states: the runner takes
 the sequence length after this transform.
 """

@@ -25,7 +25,7 @@ from paraxis.parallel.buckets import MiB
 from paraxis.parallel.placement import placement_of
 from paraxis.parallel.strategy import MATERIALIZE_ATTR, ApplyContext, Phase, Strategy
 from paraxis.runtime.collectives import WIRE_DTYPES
-from paraxis.runtime.grid import DENSE_REPLICA_AXES, Grid
+from paraxis.runtime.grid import Grid
 from paraxis.runtime.world import device_for_rank
 from paraxis_zero.optimizer import zero_optimizer
 from paraxis_zero.stage3 import ShardedParameters
@@ -42,7 +42,7 @@ def broadcast_from_first_replica(model: nn.Module, grid: Grid) -> None:
         group = grid.group(placement_of(p).grad_sync_axes)
         if group.size > 1 and not p.is_meta:  # a deferred draw is the same everywhere
             dist.broadcast(p.data, src=group.first, group=group.pg)
-    dense = grid.group(DENSE_REPLICA_AXES)
+    dense = grid.group(grid.axes.token_axes)
     if dense.size > 1:
         for b in model.buffers():
             dist.broadcast(b, src=dense.first, group=dense.pg)

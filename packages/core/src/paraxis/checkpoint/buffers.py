@@ -46,30 +46,35 @@ BUFFERS_SINCE = 3  # the first format version whose checkpoints hold the buffers
 _REPLICATED = tuple(a for a in AXES if a != "pipeline")
 
 
-def model_buffers(model: nn.Module) -> dict[str, tuple[Placement, torch.Tensor]]:
+def model_buffers(model: nn.Module, replicated: tuple[str, ...] = _REPLICATED
+                  ) -> dict[str, tuple[Placement, torch.Tensor]]:
     """Every persistent buffer this rank holds, by global name (its record's, else its
-    module path), with its placement."""
+    module path), with its placement: replicated over ``replicated`` (every grid axis
+    but the pipeline's) unless it has a record of its own."""
     out: dict[str, tuple[Placement, torch.Tensor]] = {}
     for chunk in chunks_of(model):
         for module_name, module in chunk.named_modules():
             for local, buf in module.named_buffers(recurse=False):
                 if buf is None or local in module._non_persistent_buffers_set:
                     continue
-                rec = _placement(f"{module_name}.{local}" if module_name else local, buf)
+                rec = _placement(f"{module_name}.{local}" if module_name else local, buf,
+                                 replicated)
                 out.setdefault(rec.name, (rec, buf))
     return out
 
 
-def _placement(name: str, buf: torch.Tensor) -> Placement:
+def _placement(name: str, buf: torch.Tensor, replicated: tuple[str, ...]) -> Placement:
     if has_placement(buf):
         return placement_of(buf)
-    return Placement(name, tuple(buf.shape), buf.dtype, replicated=_REPLICATED)
+    return Placement(name, tuple(buf.shape), buf.dtype, replicated=replicated)
 
 
 def buffers_to_write(model: nn.Module, coords: dict[str, int]
                      ) -> list[tuple[Placement, torch.Tensor]]:
-    """The buffers (and their placements) this rank writes."""
-    return [(rec, buf) for rec, buf in model_buffers(model).values()
+    """The buffers (and their placements) this rank writes: one rank of each group
+    replicating them (every grid axis of ``coords`` but the pipeline's)."""
+    replicated = tuple(a for a in coords if a != "pipeline")
+    return [(rec, buf) for rec, buf in model_buffers(model, replicated).values()
             if is_owner(rec, coords)]
 
 

@@ -14,7 +14,7 @@ from paraxis.config.errors import ConfigError
 from paraxis.config.rules import validate
 from paraxis.config.run import RunConfig
 from paraxis.config.shape import ModelShape
-from paraxis.engine.plugins import make_plugin_manager
+from paraxis.engine.plugins import axis_table, make_plugin_manager
 from paraxis.engine.precision import precision_problems
 from paraxis.engine.resolve import resolve
 from paraxis.parallel.optimizers import optimizer_problems
@@ -37,6 +37,7 @@ def _load_checked(args: argparse.Namespace) -> RunConfig:
                                            "max_position_embeddings": config.train.seq_length})
         model = model if model.hidden_size and model.num_attention_heads else None
     pm = make_plugin_manager()
+    config = config.with_axes(axis_table(pm))
     missing = resolve(config, pm, has_experts=bool(model and model.num_experts)).missing
     validate(config, world_size=getattr(args, "world_size", None), model=model,
              plugin_manager=pm, extra=[*config.check_run(), *missing, *check_data(config),

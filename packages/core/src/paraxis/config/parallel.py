@@ -16,15 +16,24 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveInt,
+    PrivateAttr,
+    ValidationError,
+)
 
+from paraxis.config.axes import BUILTIN_AXES, AxisTable
 from paraxis.config.errors import ConfigError, Problem
+from paraxis.config.text import expand_env, problem_from_pydantic
 
 __all__ = [
     "AXES",
@@ -37,17 +46,17 @@ __all__ = [
     "ParallelConfig",
     "Parallelism",
     "ScheduleConfig",
-    "expand_env",
 ]
 
-# Mesh order, outermost first (DESIGN section 2): tensor ranks are the most local.
-AXES: tuple[str, ...] = ("pipeline", "data", "expert", "context", "tensor")
+# The built-in axes (paraxis.config.axes: the table a package may extend), in mesh order,
+# outermost first (DESIGN section 2): tensor ranks are the most local.
+AXES: tuple[str, ...] = BUILTIN_AXES.names
 # Ranks that hold distinct tokens: samples are split over data x expert and each sequence
 # over context. Dense parameters are replicated over these axes and their gradients
 # averaged there; every rank's loss is scaled by their product (the token replicas).
-TOKEN_AXES: tuple[str, ...] = ("data", "expert", "context")
+TOKEN_AXES: tuple[str, ...] = BUILTIN_AXES.token_axes
 # Ranks that hold distinct samples (tensor, context and pipeline ranks share them).
-SAMPLE_AXES: tuple[str, ...] = ("data", "expert")
+SAMPLE_AXES: tuple[str, ...] = BUILTIN_AXES.sample_axes
 # The pipeline schedules paraxis-pp-schedules builds (its registry is checked against
 # this list in its tests; the planner and the config read it from here).
 PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1")
@@ -107,6 +116,9 @@ class Parallelism(_Section):
     # (each rank's gradient rounded to bf16 before the sum, the sum rounded once more).
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     offload: Offload = Offload()
+    # Degrees of the axes an installed package adds to the grid (its name -> degree;
+    # paraxis.config.axes, docs/architecture.md "Adding an axis").
+    axes: dict[str, PositiveInt] = Field(default_factory=dict)
 
 
 class ScheduleConfig(_Section):
@@ -165,11 +177,27 @@ class ParallelConfig(_Section):
     schedule: ScheduleConfig = ScheduleConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     moe: MoEConfig = MoEConfig()
+    # The grid's axes (the built-in five unless with_axes gave the run's table).
+    _axes: AxisTable = PrivateAttr(default=BUILTIN_AXES)
+
+    @property
+    def axis_table(self) -> AxisTable:
+        return self._axes
+
+    def with_axes(self, table: AxisTable) -> ParallelConfig:
+        """This configuration over ``table`` (the built-in axes and those installed
+        packages add: :func:`paraxis.engine.plugins.axis_table`)."""
+        out = self.model_copy()
+        out._axes = table
+        return out
 
     @property
     def degrees(self) -> dict[str, int]:
-        """Degree of each grid axis, in mesh order (outermost first)."""
-        return {axis: getattr(self.parallelism, axis) for axis in AXES}
+        """Degree of each grid axis, in mesh order (outermost first); an axis a package
+        adds reads ``parallelism.axes``."""
+        par = self.parallelism
+        return {axis: getattr(par, axis) if axis in AXES else par.axes.get(axis, 1)
+                for axis in self._axes.names}
 
     @property
     def world_size(self) -> int:
@@ -177,13 +205,15 @@ class ParallelConfig(_Section):
 
     @property
     def token_replicas(self) -> int:
-        """Ranks holding distinct tokens: the product over :data:`TOKEN_AXES`."""
-        return math.prod(self.degrees[a] for a in TOKEN_AXES)
+        """Ranks holding distinct tokens: the product over the table's token axes."""
+        degrees = self.degrees
+        return math.prod(degrees[a] for a in self._axes.token_axes)
 
     @property
     def sample_shards(self) -> int:
-        """Ranks holding distinct samples: the product over :data:`SAMPLE_AXES`."""
-        return math.prod(self.degrees[a] for a in SAMPLE_AXES)
+        """Ranks holding distinct samples: the product over the table's sample axes."""
+        degrees = self.degrees
+        return math.prod(degrees[a] for a in self._axes.sample_axes)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ParallelConfig:
@@ -191,7 +221,7 @@ class ParallelConfig(_Section):
         try:
             return cls.model_validate(dict(data))
         except ValidationError as exc:
-            raise ConfigError([_problem_from_pydantic(e) for e in exc.errors()]) from None
+            raise ConfigError([problem_from_pydantic(e) for e in exc.errors()]) from None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ParallelConfig:
@@ -242,55 +272,3 @@ class ParallelConfig(_Section):
             raise ConfigError([Problem(str(path), type(raw).__name__, "must be a YAML mapping",
                                        "write sections such as 'parallelism:' at top level")])
         return cls.from_dict({k: raw[k] for k in cls.model_fields if k in raw})
-
-
-_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
-
-
-def expand_env(text: str, env: Mapping[str, str], source: str = "<config>") -> str:
-    """Replace ``${VAR}`` (or ``${VAR:-default}``) in YAML text before it is parsed.
-
-    Expansion is textual because the seed format puts references inside flow mappings
-    (``{data: ${DP}}``), which YAML cannot parse unexpanded; after it, ``data: 2`` parses
-    as an integer. Comment lines are left alone. All unset variables are reported
-    together, each with its line.
-    """
-    missing: list[Problem] = []
-    lines = text.splitlines(keepends=True)
-    for number, line in enumerate(lines, start=1):
-        if line.lstrip().startswith("#"):
-            continue
-
-        def lookup(match: re.Match[str], number: int = number, line: str = line) -> str:
-            name, default = match.group(1), match.group(2)
-            if name in env:
-                return env[name]
-            if default is not None:
-                return default
-            missing.append(Problem(f"{source}:{number}", line.strip(),
-                                   f"environment variable {name} is not set",
-                                   f"export {name}=... or write a literal value"))
-            return match.group(0)
-
-        lines[number - 1] = _VAR.sub(lookup, line)
-    if missing:
-        raise ConfigError(missing)
-    return "".join(lines)
-
-
-_FIXES = {
-    "extra_forbidden": "remove it or correct its spelling",
-    "greater_than": "use a positive value",
-    "int_parsing": "use a whole number",
-    "int_type": "use a whole number",
-    "bool_parsing": "use true or false",
-    "literal_error": "use one of the allowed values",
-    "model_type": "write this section as a mapping",
-    "dict_type": "write this section as a mapping",
-}
-
-
-def _problem_from_pydantic(err: Mapping[str, Any]) -> Problem:
-    field = ".".join(str(p) for p in err["loc"])
-    fix = _FIXES.get(err["type"], "change the value so that the rule holds")
-    return Problem(field, err.get("input"), str(err["msg"]).rstrip("."), fix)

@@ -7,6 +7,7 @@ through the ``paraxis_validate_config`` hook.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,6 +49,15 @@ def check(config: ParallelConfig, *, world_size: int | None = None,
             "world_size", world_size, f"must equal the product of degrees {degrees} = "
             f"{config.world_size}", "launch that many processes or change the degrees"))
     par = config.parallelism
+    for name in par.axes:
+        if name not in config.axis_table.names:
+            near = difflib.get_close_matches(name, config.axis_table.names, n=1)
+            problems.append(Problem(
+                f"parallelism.axes.{name}", par.axes[name],
+                "names no grid axis: an axis a package adds is registered by that package "
+                f"(the axes are {list(config.axis_table.names)})",
+                f"did you mean {near[0]!r}?" if near else
+                "install the package that adds it, or remove the entry"))
     if par.expert_tensor not in (1, par.tensor):
         # A group strictly inside the tensor group would leave each expert shard
         # replicated over the rest of it: a placement no grid axis names (neither the

@@ -16,7 +16,8 @@ import yaml
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt, model_validator
 
 from paraxis.config.errors import ConfigError, Problem
-from paraxis.config.parallel import ParallelConfig, _Section, expand_env
+from paraxis.config.parallel import ParallelConfig, _Section
+from paraxis.config.text import expand_env
 
 __all__ = ["DataSection", "EvalData", "LoggingSection", "LossScaling", "ModelSection",
            "RunConfig", "TrainSection"]

@@ -25,12 +25,12 @@ from paraxis.engine.compile import backend_of, compile_layers, graph_breaks
 from paraxis.engine.engine import Engine
 from paraxis.engine.masks import MaskSupport, measure_masks
 from paraxis.engine.optim import WarmupCosine
-from paraxis.engine.plugins import make_plugin_manager
+from paraxis.engine.plugins import axis_table, make_plugin_manager
 from paraxis.engine.precision import precision_problems
 from paraxis.engine.probe import Probe
 from paraxis.engine.resolve import resolve
 from paraxis.parallel.anatomy import Anatomy, find_anatomy
-from paraxis.parallel.model_plan import PLANNED_AXES, ModelPlan, find_plan
+from paraxis.parallel.model_plan import ModelPlan, find_plan
 from paraxis.parallel.optimizers import make_optimizer, optimizer_problems
 from paraxis.parallel.placement import record_replicated
 from paraxis.parallel.strategy import MATERIALIZE_ATTR, ApplyContext, Phase, Strategy, deferred
@@ -100,9 +100,9 @@ def preflight(model: nn.Module, config: ParallelConfig, *, train: TrainSection,
         resolution.require(err.problems)
         raise
     strategies = resolution.require()  # a missing axis package fails here, before any group
-    for axis in PLANNED_AXES:
+    for axis, part in config.axis_table.planned.items():
         if config.degrees[axis] > 1:
-            model_plan.require(axis)
+            model_plan.require(part)
     return Preflight(model_shape, model_plan, anatomy, strategies)
 
 
@@ -142,6 +142,7 @@ def parallelize(
         config = ParallelConfig.from_kwargs(data=data, tensor=tensor, pipeline=pipeline,
                                             expert=expert, context=context, zero=zero,
                                             microbatches=microbatches, **options)
+    config = config.with_axes(axis_table(pm))
     train_cfg = train if isinstance(train, TrainSection) else TrainSection(**(train or {}))
     checked = preflight(model, config, train=train_cfg, plan=plan, model_shape=model_shape,
                         plugin_manager=pm, optimizer=optimizer)
@@ -263,7 +264,7 @@ def apply_parallelism(model: nn.Module, *, grid: Grid, config: ParallelConfig,
     if strategies is None:
         strategies = resolve(config, pm, has_experts=bool(getattr(plan, "experts", ()))
                              ).require()
-    record_replicated(model)
+    record_replicated(model, grid.axes)
     ctx = ApplyContext(grid=grid, config=config, plan=plan, plugin_manager=pm,
                        anatomy=anatomy)
     return apply_strategies(model, ctx, strategies), ctx

@@ -44,7 +44,7 @@ from paraxis.parallel.batch import Batch
 from paraxis.parallel.model_plan import ModelPlan
 from paraxis.parallel.strategy import ApplyContext
 from paraxis.runtime.collectives import all_gather_into, all_reduce_, barrier
-from paraxis.runtime.grid import DENSE_REPLICA_AXES, Grid
+from paraxis.runtime.grid import Grid
 
 __all__ = ["Engine"]
 
@@ -60,7 +60,7 @@ class Engine:
         self.optimizer, self.scheduler, self.train_cfg = optimizer, scheduler, train
         self.plan, self.device, self.model_shape = plan, device, model_shape
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.replicas = grid.group(DENSE_REPLICA_AXES)  # ranks with distinct tokens
+        self.replicas = grid.group(grid.axes.token_axes)  # ranks with distinct tokens
         # Tensor ranks hold the same loss sum; counting those at tensor coordinate 0
         # counts every replica (and, under a pipeline, the last stage's) once.
         layout = grid.layout

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pluggy
 
+from paraxis.config.axes import BUILTIN_AXES, AxisSpec, AxisTable
 from paraxis.engine import builtin
 from paraxis.parallel import hookspecs
 from paraxis.parallel.strategy import Strategy
 
-__all__ = ["collect_strategies", "make_plugin_manager"]
+__all__ = ["axis_table", "collect_strategies", "make_plugin_manager"]
 
 
 def make_plugin_manager(*, load_entrypoints: bool = True, builtins: bool = True,
@@ -44,3 +45,19 @@ def collect_strategies(pm: pluggy.PluginManager) -> dict[str, type[Strategy]]:
 
     pm.hook.paraxis_register_strategies(register=register)
     return found
+
+
+def axis_table(pm: pluggy.PluginManager) -> AxisTable:
+    """The grid's axes: core's five and every axis a plugin registers
+    (``paraxis_register_axes``), in mesh order."""
+    added: dict[str, AxisSpec] = {}
+
+    def register(spec: AxisSpec) -> None:
+        if not isinstance(spec, AxisSpec):
+            raise TypeError(f"register() takes an AxisSpec, got {spec!r}")
+        if spec.name in BUILTIN_AXES.names or added.get(spec.name, spec) != spec:
+            raise ValueError(f"grid axis {spec.name!r} is registered twice, differently")
+        added[spec.name] = spec
+
+    pm.hook.paraxis_register_axes(register=register)
+    return BUILTIN_AXES.extended(added.values())

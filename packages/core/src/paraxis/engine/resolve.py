@@ -25,29 +25,33 @@ if TYPE_CHECKING:
 
     from paraxis.config.parallel import ParallelConfig
 
-__all__ = ["PACKAGE_FOR_AXIS", "Resolution", "apply_order", "required_axes", "resolve",
-           "resolve_strategies"]
+__all__ = ["PACKAGE_FOR_STRATEGY", "Resolution", "apply_order", "package_for",
+           "required_axes", "resolve", "resolve_strategies"]
 
 
-# The distribution that provides each strategy axis, for the "pip install" hint.
-PACKAGE_FOR_AXIS: dict[str, str] = {
-    "pipeline": "paraxis-pp-schedules",
-    "tensor": "paraxis-tp-layers",
-    "expert": "paraxis-moe-ep",
-    "context": "paraxis-seq-context",
-    "data": "paraxis-dp-core",
+# The distribution that provides each strategy that is not a grid axis's own, for the
+# "pip install" hint; a grid axis's package is in the axis table (paraxis.config.axes).
+PACKAGE_FOR_STRATEGY: dict[str, str] = {
     "zero": "paraxis-zero-shard",
     "offload": "paraxis-deepspeed",
     "activation_checkpointing": "paraxis",  # core's own
 }
 
 
+def package_for(axis: str, config: ParallelConfig) -> str:
+    """The distribution that provides strategy ``axis``."""
+    table = config.axis_table
+    return table.spec(axis).package if axis in table.names else PACKAGE_FOR_STRATEGY[axis]
+
+
 def required_axes(config: ParallelConfig, *, has_experts: bool = False) -> list[str]:
-    """The strategy axes a configuration needs, in no particular order. A model with
-    mixture-of-experts blocks (``has_experts``: its plan names some) always needs the
-    expert axis, even at degree 1: its router losses and statistics live there."""
+    """The strategy axes a configuration needs, in no particular order: every grid axis
+    above degree one (the data axis through the data strategy below), the reduction of
+    the data axes, activation checkpointing. A model with mixture-of-experts blocks
+    (``has_experts``: its plan names some) always needs the expert axis, even at degree
+    1: its router losses and statistics live there."""
     par = config.parallelism
-    wanted = [a for a in ("pipeline", "tensor", "expert", "context") if getattr(par, a) > 1]
+    wanted = [a for a, n in config.degrees.items() if n > 1 and a != "data"]
     if has_experts and "expert" not in wanted:
         wanted.append("expert")
     # Gradients of dense parameters are averaged over data x expert x context. Offload
@@ -64,7 +68,10 @@ def required_axes(config: ParallelConfig, *, has_experts: bool = False) -> list[
 
 
 def _setting(config: ParallelConfig, axis: str) -> tuple[str, Any]:
-    """The config field that asks for ``axis`` (axes are named after their field)."""
+    """The config field that asks for ``axis`` (axes are named after their field; one a
+    package adds is under ``parallelism.axes``)."""
+    if axis in config.parallelism.axes:
+        return f"parallelism.axes.{axis}", config.parallelism.axes[axis]
     section = "parallelism" if axis in type(config.parallelism).model_fields else "schedule"
     return f"{section}.{axis}", getattr(getattr(config, section), axis)
 
@@ -110,12 +117,13 @@ def resolve(config: ParallelConfig, pm: pluggy.PluginManager, *,
         if axis in available:
             chosen.append(available[axis])
             continue
-        packages.append((axis, PACKAGE_FOR_AXIS[axis]))
+        package = package_for(axis, config)
+        packages.append((axis, package))
         missing.append(Problem(
             *_setting(config, axis), f"no installed package provides the {axis} axis"
             + (" (a mixture-of-experts model trains with its router losses)"
                if axis == "expert" and has_experts else ""),
-            f"pip install {PACKAGE_FOR_AXIS[axis]}"))
+            f"pip install {package}"))
     return Resolution(apply_order(chosen), tuple(missing), tuple(packages))
 
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
+    from paraxis.config.axes import AxisSpec
     from paraxis.config.errors import Problem
     from paraxis.config.parallel import ParallelConfig
     from paraxis.config.shape import ModelShape
@@ -33,6 +34,20 @@ def paraxis_register_strategies(register: Callable[[type[Strategy]], None]) -> N
     axes. ``register`` takes a :class:`paraxis.parallel.strategy.Strategy` subclass; registering
     two classes for the same axis is an error. Plugins must register here, never as a
     side effect of being imported. Not firstresult: every plugin is called.
+    """
+
+
+@hookspec
+def paraxis_register_axes(register: Callable[[AxisSpec], None]) -> None:
+    """Hand ``register`` each grid axis this plugin adds (a
+    :class:`paraxis.config.axes.AxisSpec`: its name, mesh place, role and package).
+
+    Called once by :func:`paraxis.engine.plugins.axis_table` when a run reads its
+    configuration, before any process group exists; the built-in axes (pipeline, data,
+    expert, context, tensor) are core's and need no plugin. An axis' degree is then read
+    from ``parallelism.axes`` and its strategy registered as any other
+    (:func:`paraxis_register_strategies`). Two plugins registering one name with
+    different specs is an error. Not firstresult: every plugin is called.
     """
 
 

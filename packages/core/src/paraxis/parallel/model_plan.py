@@ -17,9 +17,6 @@ from paraxis.config.errors import Problem
 
 __all__ = ["ModelPlan", "PlanError", "find_plan"]
 
-# Axes that rewrite modules and so cannot run without a plan.
-PLANNED_AXES = ("tensor", "pipeline", "expert")
-
 
 class PlanError(ValueError):
     """A plan is missing, or names a module or style that does not exist."""

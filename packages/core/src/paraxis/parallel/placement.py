@@ -15,8 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from paraxis.config.parallel import AXES
-from paraxis.runtime.grid import DENSE_REPLICA_AXES
+from paraxis.config.axes import BUILTIN_AXES, AxisTable
 
 __all__ = [
     "Piece",
@@ -109,6 +108,9 @@ class Placement:
     # tensor rank's tokens under sequence parallelism); that axis' synchronizer sums
     # it after data-parallel averaging (paraxis.parallel.strategy.SyncOrder).
     partial: tuple[str, ...] = ()
+    # The axes whose ranks hold distinct tokens (the grid's token axes): over those of
+    # them the parameter is replicated over, its gradient is averaged.
+    averaged: tuple[str, ...] = BUILTIN_AXES.token_axes
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -161,10 +163,10 @@ class Placement:
 
     @property
     def grad_sync_axes(self) -> tuple[str, ...]:
-        """Axes over which gradients are averaged: the data-like axes it is replicated
-        over. Replication over ``tensor`` needs no reduction unless an axis (sequence
-        parallel) says so by handling it itself."""
-        return tuple(a for a in self.replicated if a in DENSE_REPLICA_AXES)
+        """Axes over which gradients are averaged: the axes holding distinct tokens it is
+        replicated over. Replication over ``tensor`` needs no reduction unless an axis
+        (sequence parallel) says so by handling it itself."""
+        return tuple(a for a in self.replicated if a in self.averaged)
 
     def sharded(self, *, dim: int, axis: str | tuple[str, ...], offset: int, length: int,
                 parts: int = 1, padding: int = 0) -> Placement:
@@ -173,11 +175,13 @@ class Placement:
         sharded over other axes is subdivided (see :class:`Shard`)."""
         shard = Shard(dim, axis if isinstance(axis, str) or len(axis) > 1 else axis[0],
                       offset, length, parts, padding)
-        unknown = [a for a in shard.axes if a not in AXES]
-        if unknown:
-            raise KeyError(f"unknown grid axis {unknown[0]!r}")
         if any(s.dim == dim and set(s.axes) & set(shard.axes) for s in self.shards):
             raise ValueError(f"{self.name}: dim {dim} is already sharded over {axis}")
+        unknown = [a for a in shard.axes if a not in self.replicated]
+        if unknown:
+            raise KeyError(f"{self.name} is not replicated over {unknown[0]!r} (an unknown "
+                           f"grid axis, or one it is split over already); it is replicated "
+                           f"over {list(self.replicated)}")
         return replace(self, shards=(*self.shards, shard),
                        replicated=tuple(a for a in self.replicated if a not in shard.axes))
 
@@ -212,14 +216,15 @@ def placement_of(param: torch.Tensor) -> Placement:
     return record
 
 
-def record_replicated(module: nn.Module) -> None:
-    """Give every parameter without a record a fully replicated one.
+def record_replicated(module: nn.Module, axes: AxisTable = BUILTIN_AXES) -> None:
+    """Give every parameter without a record a fully replicated one: over every axis of
+    ``axes`` but the pipeline's, averaged over those holding distinct tokens.
 
     Core calls this before any axis applies, so axes only ever *update* records. Tied
     parameters appear once, under their first name.
     """
-    replicated = tuple(a for a in AXES if a != "pipeline")
     for name, param in module.named_parameters():
         if not has_placement(param):
             set_placement(param, Placement(name, tuple(param.shape), param.dtype,
-                                           replicated=replicated))
+                                           replicated=axes.replicated,
+                                           averaged=axes.token_axes))

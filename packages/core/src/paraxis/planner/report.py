@@ -109,9 +109,14 @@ def format_plan(plan: Plan) -> str:
 
 
 def _unchecked_line(axes: tuple[str, ...]) -> str:
-    from paraxis.engine.resolve import PACKAGE_FOR_AXIS
+    from paraxis.config.axes import BUILTIN_AXES
+    from paraxis.engine.resolve import PACKAGE_FOR_STRATEGY
 
-    installs = " ".join(sorted({PACKAGE_FOR_AXIS[a] for a in axes}))
+    def package(axis: str) -> str:
+        return BUILTIN_AXES.spec(axis).package if axis in BUILTIN_AXES.names \
+            else PACKAGE_FOR_STRATEGY[axis]
+
+    installs = " ".join(sorted({package(a) for a in axes}))
     return (f"unchecked  the rules of {', '.join(axes)} were not checked: the package is not "
             f"installed (pip install {installs}); a run may refuse this layout")
 

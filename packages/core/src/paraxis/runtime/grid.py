@@ -1,8 +1,10 @@
 """The process grid: one rank layout, every named group, passed explicitly.
 
 Mesh order, outermost first, is ``pipeline, data, expert, context, tensor`` (DESIGN
-section 2): consecutive ranks differ first in their tensor coordinate, so tensor groups
-sit on the fastest links, as in Megatron-LM's ``initialize_model_parallel``. There is no
+section 2), with any axis a package adds at its declared place (the axis table,
+:mod:`paraxis.config.axes`): consecutive ranks differ first in their tensor coordinate,
+so tensor groups sit on the fastest links, as in Megatron-LM's
+``initialize_model_parallel``. There is no
 module-level group state; code that needs a group takes the :class:`Grid` (or one
 :class:`AxisGroup`) as an argument.
 
@@ -19,8 +21,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from paraxis.config.axes import BUILTIN_AXES, AxisTable
 from paraxis.config.errors import ConfigError, Problem
-from paraxis.config.parallel import AXES, SAMPLE_AXES, TOKEN_AXES, ParallelConfig
+from paraxis.config.parallel import ParallelConfig
 from paraxis.runtime.comm_stats import CommStats
 from paraxis.runtime.cuda_paths import cuda_path_on
 from paraxis.runtime.group import AxisGroup
@@ -34,57 +37,63 @@ __all__ = [
     "Grid",
     "GridLayout",
     "shutdown",
+    "standard_groups",
 ]
 
+# The built-in table's groups (a run's own are its grid's: Grid.axes).
 # Dense parameters are identical over the ranks holding distinct tokens, and their
 # gradients are averaged there (paraxis.config.parallel.TOKEN_AXES).
-DENSE_REPLICA_AXES: tuple[str, ...] = TOKEN_AXES
+DENSE_REPLICA_AXES: tuple[str, ...] = BUILTIN_AXES.token_axes
 # Expert parameters are sharded over `expert`, so they are replicated only over these.
-EXPERT_REPLICA_AXES: tuple[str, ...] = tuple(a for a in TOKEN_AXES if a != "expert")
+EXPERT_REPLICA_AXES: tuple[str, ...] = BUILTIN_AXES.expert_replica_axes
 # Under sequence parallelism a module outside the tensor-parallel regions (a router) sees
 # only its tensor rank's share of the sequence: these ranks hold distinct tokens there.
-SEQUENCE_SHARD_AXES: tuple[str, ...] = (*TOKEN_AXES, "tensor")
-
-
-def _canonical(axes: str | Iterable[str]) -> tuple[str, ...]:
-    names = (axes,) if isinstance(axes, str) else tuple(axes)
-    unknown = [a for a in names if a not in AXES]
-    if unknown:
-        raise KeyError(f"unknown grid axes {unknown}; the axes are {list(AXES)}")
-    return tuple(a for a in AXES if a in names)
+SEQUENCE_SHARD_AXES: tuple[str, ...] = BUILTIN_AXES.sequence_shard_axes
 
 
 class GridLayout:
-    """Rank arithmetic for degrees in mesh order; no processes involved."""
+    """Rank arithmetic for degrees in mesh order (the axes of ``table``, the built-in
+    ones by default; an axis not given has degree 1); no processes involved."""
 
-    def __init__(self, degrees: Mapping[str, int]):
-        unknown = set(degrees) - set(AXES)
+    def __init__(self, degrees: Mapping[str, int], table: AxisTable = BUILTIN_AXES):
+        self.table = table
+        self.axes = table.names
+        unknown = set(degrees) - set(self.axes)
         if unknown:
-            raise KeyError(f"unknown grid axes {sorted(unknown)}; the axes are {list(AXES)}")
-        self.degrees: dict[str, int] = {a: int(degrees.get(a, 1)) for a in AXES}
+            raise KeyError(f"unknown grid axes {sorted(unknown)}; the axes are "
+                           f"{list(self.axes)}")
+        self.degrees: dict[str, int] = {a: int(degrees.get(a, 1)) for a in self.axes}
         self.size = math.prod(self.degrees.values())
         # Row-major strides: the last axis (tensor) varies fastest.
         self._strides: dict[str, int] = {}
         stride = 1
-        for axis in reversed(AXES):
+        for axis in reversed(self.axes):
             self._strides[axis] = stride
             stride *= self.degrees[axis]
+
+    def canonical(self, axes: str | Iterable[str]) -> tuple[str, ...]:
+        """``axes`` (a name or several, any order) in mesh order."""
+        names = (axes,) if isinstance(axes, str) else tuple(axes)
+        unknown = [a for a in names if a not in self.axes]
+        if unknown:
+            raise KeyError(f"unknown grid axes {unknown}; the axes are {list(self.axes)}")
+        return tuple(a for a in self.axes if a in names)
 
     def coords(self, rank: int) -> dict[str, int]:
         if not 0 <= rank < self.size:
             raise IndexError(f"rank {rank} outside a grid of {self.size}")
-        return {a: (rank // self._strides[a]) % self.degrees[a] for a in AXES}
+        return {a: (rank // self._strides[a]) % self.degrees[a] for a in self.axes}
 
     def rank(self, **coords: int) -> int:
-        return sum(coords.get(a, 0) * self._strides[a] for a in AXES)
+        return sum(coords.get(a, 0) * self._strides[a] for a in self.axes)
 
     def group_ranks(self, axes: str | Iterable[str]) -> list[list[int]]:
         """All groups of ranks that differ only along ``axes``, each sorted, in order."""
-        along = _canonical(axes)
+        along = self.canonical(axes)
         groups: dict[tuple[int, ...], list[int]] = {}
         for r in range(self.size):
             c = self.coords(r)
-            key = tuple(c[a] for a in AXES if a not in along)
+            key = tuple(c[a] for a in self.axes if a not in along)
             groups.setdefault(key, []).append(r)
         return list(groups.values())
 
@@ -94,12 +103,6 @@ class GridLayout:
 
 class Grid:
     """The process grid of a run, built once on an initialized default group."""
-
-    # The groups every run gets; more can be asked for by axis tuple.
-    STANDARD: tuple[tuple[str, ...], ...] = (
-        *((a,) for a in AXES), DENSE_REPLICA_AXES, EXPERT_REPLICA_AXES,
-        SEQUENCE_SHARD_AXES, AXES,
-    )
 
     def __init__(self, layout: GridLayout, rank: int, groups: Mapping[tuple[str, ...], AxisGroup],
                  comm: CommStats | None = None, embedding: AxisGroup | None = None):
@@ -120,8 +123,10 @@ class Grid:
         if not dist.is_initialized():
             raise RuntimeError("Grid.build needs torch.distributed initialized first "
                                "(torchrun, or dist.init_process_group)")
-        degrees = config.degrees if isinstance(config, ParallelConfig) else dict(config)
-        layout = GridLayout(degrees)
+        if isinstance(config, ParallelConfig):
+            layout = GridLayout(config.degrees, config.axis_table)
+        else:
+            layout = GridLayout(dict(config))
         world = dist.get_world_size()
         if world != layout.size:
             raise ConfigError([Problem("world_size", world,
@@ -130,8 +135,8 @@ class Grid:
         rank = dist.get_rank()
         comm = CommStats(on_stream=_stream_timing(config))
         groups: dict[tuple[str, ...], AxisGroup] = {}
-        for axes in cls.STANDARD:
-            axes = _canonical(axes)
+        for axes in standard_groups(layout.table):
+            axes = layout.canonical(axes)
             if axes not in groups:
                 groups[axes] = _new_axis_group(layout, rank, axes, comm)
         embedding = None
@@ -143,9 +148,14 @@ class Grid:
             grid.heartbeat = Heartbeat(rank).start()  # so a dead peer can be named
         return grid
 
+    @property
+    def axes(self) -> AxisTable:
+        """The grid's axes and the groups of them the rules need."""
+        return self.layout.table
+
     def group(self, axes: str | Iterable[str]) -> AxisGroup:
         """This rank's group along ``axes`` (a name or several, any order)."""
-        key = _canonical(axes)
+        key = self.layout.canonical(axes)
         if key not in self._groups:
             raise KeyError(f"group {key} was not built; standard groups: "
                            f"{[list(k) for k in self._groups]}")
@@ -154,7 +164,7 @@ class Grid:
     @property
     def world(self) -> AxisGroup:
         """Every rank (the default group), for grid-wide collectives."""
-        return self._groups[AXES]
+        return self._groups[self.layout.axes]
 
     def size(self, axis: str) -> int:
         return self.layout.degrees[axis]
@@ -165,12 +175,12 @@ class Grid:
 
     def sample_shard(self) -> tuple[int, int]:
         """(index, count) of this rank's share of each global batch: samples are split
-        over data x expert (:data:`~paraxis.config.parallel.SAMPLE_AXES`); tensor,
+        over the sample axes (data x expert, :attr:`AxisTable.sample_axes`); tensor,
         context and pipeline ranks of a replica share them."""
         index = 0
-        for axis in SAMPLE_AXES:  # row-major over the sample axes, in mesh order
+        for axis in self.axes.sample_axes:  # row-major over the sample axes, mesh order
             index = index * self.layout.degrees[axis] + self.coords[axis]
-        count = math.prod(self.layout.degrees[a] for a in SAMPLE_AXES)
+        count = math.prod(self.layout.degrees[a] for a in self.axes.sample_axes)
         return index, count
 
     @property
@@ -182,7 +192,7 @@ class Grid:
         only, but the all-to-all already brought it the gradients of every expert rank's
         tokens, so it is divided by the same number (its group's size would count those
         tokens ``expert`` times)."""
-        return math.prod(self.layout.degrees[a] for a in TOKEN_AXES)
+        return math.prod(self.layout.degrees[a] for a in self.axes.token_axes)
 
     @property
     def logging_rank(self) -> int:
@@ -218,6 +228,13 @@ class Grid:
         self.embedding = None
         if self.heartbeat is not None:
             self.heartbeat.stop()
+
+
+def standard_groups(table: AxisTable) -> tuple[tuple[str, ...], ...]:
+    """The groups every run gets (more can be asked for by axis tuple): each axis, the
+    dense and expert replica groups, the sequence shards and the world."""
+    return (*((a,) for a in table.names), table.token_axes, table.expert_replica_axes,
+            table.sequence_shard_axes, table.names)
 
 
 def _stream_timing(config: ParallelConfig | Mapping[str, int]) -> bool:
