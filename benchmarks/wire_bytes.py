@@ -58,6 +58,12 @@ def _group_size(args: tuple) -> int:
     for a in args:
         if isinstance(a, dist.ProcessGroup):
             return a.size()
+    for a in args:  # c10d's ops (a plain all_reduce) take the group's TorchScript box
+        if isinstance(a, torch.ScriptObject):
+            try:
+                return dist.ProcessGroup.unbox(a).size()
+            except RuntimeError:  # another boxed argument (the reduce op)
+                continue
     name = next(a for a in reversed(args) if isinstance(a, str))
     return _resolve_process_group(name).size()
 
