@@ -94,6 +94,13 @@ def parse() -> argparse.Namespace:
     return p.parse_args()
 
 
+# The last ratio measured with the peer stepping AdamW on its expert DTensors, non-foreach
+# (RESULTS.md at fa944ef), kept beside the new one for one release (issue 32).
+BEFORE = ("Before issue 32 the peer stepped AdamW on its expert DTensors through DTensor's "
+          "dispatch (foreach off): paraxis / transformers was 1.034 [0.981–1.076], inside "
+          "the noise of the target 1.0.")
+
+
 def transformers_ep(args: argparse.Namespace, world: int):
     """The model with transformers' expert-parallel plan applied, and its optimizer."""
     from transformers.distributed.expert_parallel import apply_expert_parallelism
@@ -106,14 +113,19 @@ def transformers_ep(args: argparse.Namespace, world: int):
     apply_expert_parallelism(model, mesh["ep"], mesh["tp"], plan)
     expert = [p for p in model.parameters() if isinstance(p, DTensor)]
     dense = [p for p in model.parameters() if not isinstance(p, DTensor)]
-    # DTensor and plain parameters in separate, non-foreach groups (torch's foreach
-    # kernels refuse to mix them).
-    opt = torch.optim.AdamW([{"params": dense}, {"params": expert}], lr=1e-4, foreach=False)
-    return model, dense, expert, opt
+    # AdamW (foreach) on the expert DTensors' local shards, as paraxis steps its own:
+    # stepping the DTensors, non-foreach, dispatched each op through DTensor (issue 32).
+    with torch.no_grad():  # leaves aliasing the shards' storage
+        shards = [p.to_local() for p in expert]
+    opt = torch.optim.AdamW([*dense, *shards], lr=1e-4, foreach=True)
+    return model, dense, expert, (opt, shards)
 
 
-def peer_step(model, dense, expert, opt, ids: torch.Tensor, world: int) -> None:
+def peer_step(model, dense, expert, stepper, ids: torch.Tensor, world: int) -> None:
+    opt, shards = stepper
     opt.zero_grad(set_to_none=True)
+    for p in expert:
+        p.grad = None
     out = model(input_ids=ids, labels=ids, output_router_logits=True, use_cache=False)
     out.loss.backward()
     # Dense gradients: the mean over ranks (one flat all-reduce). Expert gradients hold
@@ -134,6 +146,8 @@ def peer_step(model, dense, expert, opt, ids: torch.Tensor, world: int) -> None:
     scale = torch.clamp(1.0 / (norm + 1e-6), max=1.0)
     for g in [p.grad for p in dense] + local:
         g.mul_(scale)
+    for t, g in zip(shards, local, strict=True):
+        t.grad = g
     opt.step()
 
 
@@ -202,6 +216,8 @@ def report(args, world, run, measured, on_wire, pair, theory) -> None:
         f"{on_wire / 2**20:.3f} MiB.",
         "",
         ratio_line("Ratio paraxis / transformers (median step time)", ratio),
+        "",
+        BEFORE,
     ])
     if not args.no_write:
         write_section("moe_vs_peer", table, {"median_step_s": med, "ratio": ratio,
