@@ -22,6 +22,11 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     if args.source != "stdlib" and not Path(args.source).exists():
         print(f"paraxis data prepare: {args.source} does not exist", file=sys.stderr)
         return 1
+    try:  # here, before any worker: a missing or unreadable tokenizer is one line
+        load_tokenizer(args.tokenizer)
+    except OSError as exc:
+        print(f"paraxis data prepare: --tokenizer: {exc}", file=sys.stderr)
+        return 1
     cfg = DataSection(source=args.source, format=args.format, text_field=args.text_field,
                       tokenizer=args.tokenizer, max_bytes=args.max_bytes)
     start = time.perf_counter()

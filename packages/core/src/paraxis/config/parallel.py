@@ -20,7 +20,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -33,7 +32,7 @@ from pydantic import (
 
 from paraxis.config.axes import BUILTIN_AXES, AxisTable
 from paraxis.config.errors import ConfigError, Problem
-from paraxis.config.text import expand_env, problem_from_pydantic
+from paraxis.config.text import expand_env, nearest, parse_yaml, problem_from_pydantic
 
 __all__ = [
     "AXES",
@@ -221,7 +220,7 @@ class ParallelConfig(_Section):
         try:
             return cls.model_validate(dict(data))
         except ValidationError as exc:
-            raise ConfigError([problem_from_pydantic(e) for e in exc.errors()]) from None
+            raise ConfigError([problem_from_pydantic(e, cls) for e in exc.errors()]) from None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ParallelConfig:
@@ -249,10 +248,10 @@ class ParallelConfig(_Section):
             elif key in owners:
                 sections[owners[key]][key] = value
             else:
-                unknown.append(
-                    Problem(key, value, "is not a configuration option",
-                            f"use one of {sorted(owners)}")
-                )
+                near = nearest(key, [*owners, *sections])
+                unknown.append(Problem(key, value, "is not a configuration option",
+                                       f"write {near} (the nearest option)" if near else
+                                       f"use one of {sorted(owners)}"))
         if unknown:
             raise ConfigError(unknown)
         return cls.from_dict(sections)
@@ -267,7 +266,7 @@ class ParallelConfig(_Section):
         """
         text = expand_env(Path(path).read_text(), os.environ if env is None else env,
                           source=str(path))
-        raw = yaml.safe_load(text) or {}
+        raw = parse_yaml(text, str(path)) or {}
         if not isinstance(raw, dict):
             raise ConfigError([Problem(str(path), type(raw).__name__, "must be a YAML mapping",
                                        "write sections such as 'parallelism:' at top level")])

@@ -12,12 +12,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt, model_validator
 
 from paraxis.config.errors import ConfigError, Problem
 from paraxis.config.parallel import ParallelConfig, _Section
-from paraxis.config.text import expand_env
+from paraxis.config.text import expand_env, parse_yaml
 
 __all__ = ["DataSection", "EvalData", "LoggingSection", "LossScaling", "ModelSection",
            "RunConfig", "TrainSection"]
@@ -163,9 +162,18 @@ class RunConfig(ParallelConfig):
         """Read YAML (with ``${VAR}`` expansion), apply ``a.b=value`` overrides and check
         types. Cross-field rules are :meth:`check_run` and
         :func:`paraxis.config.rules.validate`; the CLI reports them all together."""
-        text = expand_env(Path(path).read_text(), os.environ if env is None else env,
-                          source=str(path))
-        raw = yaml.safe_load(text) or {}
+        try:
+            text = Path(path).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError([Problem("--config", str(path), f"cannot be read ({exc})",
+                                       "give the path of a YAML run configuration")]
+                              ) from None
+        text = expand_env(text, os.environ if env is None else env, source=str(path))
+        raw = parse_yaml(text, str(path)) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError([Problem(str(path), type(raw).__name__, "must be a YAML "
+                                       "mapping", "write sections such as 'train:' at top "
+                                       "level")])
         apply_overrides(raw, overrides)
         return cls.from_dict(raw)
 
@@ -239,8 +247,17 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> None:
             continue
         node = raw
         *parents, leaf = key.split(".")
-        for part in parents:
+        for depth, part in enumerate(parents):
             node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(value)
+            if not isinstance(node, dict):
+                where = ".".join(parents[:depth + 1])
+                bad.append(Problem(f"override {item}", node, f"{where} is not a section",
+                                   f"override the keys of a section, not of {where}"))
+                break
+        else:
+            try:
+                node[leaf] = parse_yaml(value, f"override {key}", lines=False)
+            except ConfigError as exc:
+                bad += exc.problems
     if bad:
         raise ConfigError(bad)

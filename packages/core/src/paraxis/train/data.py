@@ -42,11 +42,30 @@ class ByteTokenizer:
         return torch.frombuffer(raw, dtype=torch.uint8).long()
 
 
+# What a save_pretrained tokenizer directory holds at least one of.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+                    "vocab.json", "vocab.txt")
+
+
 class _HFTokenizer:
     def __init__(self, path: str):
+        if not Path(path).is_dir():  # a name transformers would take for a Hub repo id
+            raise FileNotFoundError(
+                f"tokenizer {path!r} is not a directory: give a local directory a "
+                "tokenizer was saved to (save_pretrained; paraxis never downloads one), "
+                "or bytes")
+        if not any((Path(path) / name).is_file() for name in _TOKENIZER_FILES):
+            raise FileNotFoundError(f"{path} holds no tokenizer files (none of "
+                                    f"{', '.join(_TOKENIZER_FILES)}): give the directory "
+                                    "a tokenizer was saved to, or bytes")
         from transformers import AutoTokenizer  # only when asked for
 
-        self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        try:
+            self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError) as exc:  # no tokenizer files, or unreadable ones
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise OSError(f"{path} holds no tokenizer transformers can load "
+                          f"({type(exc).__name__}: {first})") from None
         self.vocab_size = len(self.tok)
         sep = self.tok.eos_token_id
         self.separator = sep if sep is not None else 0

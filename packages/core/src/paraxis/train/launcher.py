@@ -16,6 +16,7 @@ whole run and reports the outcome in a few lines.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import shlex
@@ -169,6 +170,11 @@ def run_workers(world_size: int, opts: LaunchOptions, argv: Sequence[str],
         lock = DirectoryLock(checkpoint_dir).acquire()
         os.environ[LOCK_ENV] = "1"
     sys.stdout.flush()
+    # The agent logs each stop it makes ("Sending process ... closing signal", "failed
+    # (exitcode: 1)"); explain() says what happened to each rank instead, once.
+    quiet = logging.getLogger("torch.distributed.elastic")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
     try:
         run(parse_args(torchrun_args(world_size, opts, argv)))
         return 0
@@ -181,6 +187,7 @@ def run_workers(world_size: int, opts: LaunchOptions, argv: Sequence[str],
     except SignalException as exc:  # the workers were told and stopped at a step
         return 128 + int(exc.sigval)
     finally:
+        quiet.setLevel(level)
         shutil.rmtree(report, ignore_errors=True)
         if lock is not None:
             lock.release()
