@@ -10,7 +10,7 @@ from typing import Any
 from paraxis.parallel.hookspecs import hookimpl
 from paraxis_wandb.logger import WandbLogger
 
-_logger = WandbLogger()
+_logger = WandbLogger(background=True)
 
 
 @hookimpl
@@ -31,3 +31,19 @@ def paraxis_log_figure(name: str, svg: str, step: int) -> None:
 @hookimpl
 def paraxis_log_end(summary: dict[str, float]) -> None:
     _logger.end(summary)
+
+
+@hookimpl
+def paraxis_before_workers(config: Any) -> None:
+    """W&B imported and its service started in the launcher: the logging rank, forked
+    from it, opens its run on that service (W&B's ``wandb.setup()`` for multiprocess
+    training) instead of paying both before its first step."""
+    section = getattr(config, "logging", None)
+    if section is None or not section.wandb:
+        return
+    try:
+        import wandb
+
+        wandb.setup()
+    except Exception:  # never let logging stop training: the rank sets W&B up itself
+        return

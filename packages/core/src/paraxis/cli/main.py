@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from paraxis.cli.checkpoint import add_checkpoint_commands
 from paraxis.cli.data import add_data_commands
-from paraxis.cli.prelaunch import model_problems, saved_model_config
+from paraxis.cli.prelaunch import model_problems, saved_model_config, warm_workers
 from paraxis.config.errors import ConfigError
 from paraxis.config.rules import validate
 from paraxis.config.run import RunConfig
@@ -140,7 +140,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
             from paraxis.train.launcher import LaunchOptions, run_workers
 
             argv = sys.argv[1:] if args.argv is None else args.argv
-            return run_workers(config.world_size, LaunchOptions.from_args(args), argv, ckpt)
+            return run_workers(config.world_size, LaunchOptions.from_args(args), argv, ckpt,
+                               entry=main, warm=lambda: warm_workers(
+                                   config, make_plugin_manager()))
         return _train_here(config)
     except (ConfigError, LockedError) as exc:
         print(f"{args.config}: {exc}", file=sys.stderr)

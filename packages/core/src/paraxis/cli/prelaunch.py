@@ -30,7 +30,8 @@ from paraxis.config.run import RunConfig
 from paraxis.parallel.placement import record_replicated
 from paraxis.parallel.strategy import MATERIALIZE_ATTR
 
-__all__ = ["meta_model", "model_problems", "resume_dir", "saved_model_config"]
+__all__ = ["meta_model", "model_problems", "resume_dir", "saved_model_config",
+           "warm_workers"]
 
 
 def resume_dir(cfg: RunConfig) -> Path | None:
@@ -122,3 +123,21 @@ def _checkpoint_problem(cfg: RunConfig, why: str) -> Problem:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else ""
+
+
+def warm_workers(cfg: RunConfig, plugin_manager: Any) -> None:
+    """What every rank does alike before it trains, done once in the launcher before
+    the workers are forked from it (:mod:`paraxis.train.forked`): the plugins' own
+    (``paraxis_before_workers``: W&B's service), the model's modules imported (its
+    meta-device build, discarded), the tokenizer loaded, and an in-memory corpus
+    tokenized and packed (:func:`paraxis.train.data.prepack`)."""
+    from paraxis.train.data import load_tokenizer, prepack
+
+    plugin_manager.hook.paraxis_before_workers(config=cfg)
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    meta_model(cfg, plugin_manager, tokenizer.vocab_size)
+    data, seq = cfg.data, cfg.train.seq_length
+    if data.packing and not data.streaming:  # what paraxis.train.sources packs
+        prepack(data, seq, tokenizer)
+    if data.eval.source:
+        prepack(data.model_copy(update={"source": data.eval.source}), seq, tokenizer)

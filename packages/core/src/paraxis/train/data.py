@@ -11,6 +11,7 @@ its position (samples consumed) so a resumed run continues with the next sample.
 from __future__ import annotations
 
 import json
+import os
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +26,7 @@ from paraxis.train.shards import TokenRows, check_shards, is_prepared, token_row
 from paraxis.train.stream import check_stream, stream_documents
 
 __all__ = ["BatchStream", "ByteTokenizer", "check_data", "document_positions",
-           "iter_documents", "load_tokenizer", "pack", "split_held_out"]
+           "iter_documents", "load_tokenizer", "pack", "prepack", "split_held_out"]
 
 
 class ByteTokenizer:
@@ -79,9 +80,16 @@ def load_tokenizer(name: str) -> Any:
 
 
 def _stdlib_files() -> list[Path]:
+    """The standard library's ``.py`` files, tests and installed packages left out. The
+    walk prunes those directories instead of filtering a ``rglob`` of everything: a
+    site-packages of 52k files made the listing 0.23 s of the packing, now 0.004 s."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "test", "tests", "idlelib", "__pycache__"}
-    return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+    found = []
+    for where, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in skip]
+        found += [Path(where) / f for f in files if f.endswith(".py")]
+    return sorted(found)
 
 
 def iter_documents(cfg: DataSection) -> Iterator[str]:
@@ -210,12 +218,26 @@ def _documents(cfg: DataSection) -> Iterator[str]:
             yield path.read_text(encoding="utf-8", errors="replace")
 
 
+# Rows the launcher packed before it forked the workers (paraxis.train.forked), by what
+# pack() was asked: a forked worker takes them, shared copy-on-write, instead of
+# tokenizing the corpus again. Empty in every other process.
+_PREPACKED: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def prepack(cfg: DataSection, seq_length: int, tokenizer: Any) -> None:
+    """Pack ``cfg``'s rows now, for :func:`pack` to return in processes forked later."""
+    _PREPACKED[(cfg.model_dump_json(), seq_length)] = pack(cfg, seq_length, tokenizer)
+
+
 def pack(cfg: DataSection, seq_length: int, tokenizer: Any) -> torch.Tensor | TokenRows:
     """All documents tokenized, separated, and cut into rows: shape (rows, seq_length).
     Tokens stay tensors throughout (no Python list of millions of ints). A directory
     ``paraxis data prepare`` wrote is not read: its rows are memory-mapped."""
     if cfg.source != "stdlib" and _format(Path(cfg.source), cfg.format) == "tokens":
         return token_rows(Path(cfg.source), seq_length)
+    packed = _PREPACKED.get((cfg.model_dump_json(), seq_length))
+    if packed is not None:
+        return packed
     sep = torch.tensor([tokenizer.separator], dtype=torch.long)
     pieces: list[torch.Tensor] = []
     for doc in iter_documents(cfg):
