@@ -145,10 +145,22 @@ class DataSection(_Section):
 
 
 class LoggingSection(_Section):
+    """Where a run's metrics go (the sinks, :mod:`paraxis.train.sinks`): the console,
+    ``metrics.jsonl`` in the run's directory (always), W&B, TensorBoard."""
+
     wandb: bool = True  # used when paraxis-wandb is installed
     project: str = "paraxis"
     run_name: str | None = None
-    progress: bool = True  # rich progress bar on the logging rank
+    # The rich progress bar when stdout is a terminal; otherwise (nohup, SLURM, a pipe),
+    # or with false, a plain line every train.log_every steps, flushed.
+    progress: bool = True
+    # The run's directory: metrics.jsonl (one JSON object per logged step), the axes'
+    # figures and the profiler's files. Default: train.checkpoint_dir, else
+    # runs/<run_name or "paraxis">.
+    dir: str | None = None
+    # TensorBoard event files in this directory (paraxis-tensorboard): scalars, the MoE
+    # load heatmap and the pipeline timeline as images.
+    tensorboard: str | None = None
 
 
 class RunConfig(ParallelConfig):
