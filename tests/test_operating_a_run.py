@@ -1,8 +1,9 @@
 """Operating a run as a batch job would (issue 38): ``paraxis train ... > run.log`` shows
-its steps in the file while it trains and keeps ``metrics.jsonl``; a resume onto another
-layout says in one line what it took over, a run cut by ``train.exit_after_steps`` how to
-resume, and a library's warning is one line."""
+its steps in the file while it trains, keeps ``metrics.jsonl`` and profiles chosen steps
+on every rank; a resume onto another layout says in one line what it took over, a run
+cut by ``train.exit_after_steps`` how to resume, and a library's warning is one line."""
 
+import collections
 import json
 import os
 import re
@@ -34,12 +35,13 @@ TINY = ["model.config.hidden_size=32", "model.config.num_layers=2",
         "train.warmup_steps=2", "data.max_bytes=200000", "logging.wandb=false"]
 
 
-def test_a_redirected_run_shows_its_steps_while_it_trains(tmp_path):
+def test_a_redirected_run_shows_its_steps_while_it_trains_and_profiles_every_rank(tmp_path):
     ckpt, log = tmp_path / "ckpt", tmp_path / "run.log"
     with log.open("w") as out, (tmp_path / "err.log").open("w") as err:
         proc = subprocess.Popen(
             paraxis("examples/tiny.yaml", *TINY, "train.steps=5000", "train.log_every=2",
                     f"train.checkpoint_dir={ckpt}",
+                    "train.profile={start: 2, steps: 2, memory: true}",
                     "logging.progress=true"),  # the default (tiny.yaml turns it off)
             stdout=out, stderr=err, env=env(), start_new_session=True)
         deadline, seen = time.monotonic() + 180, []
@@ -61,6 +63,17 @@ def test_a_redirected_run_shows_its_steps_while_it_trains(tmp_path):
         (int(s), loss) for s, loss in STEP.findall(text)]
     assert {"lr", "grad_norm", "tokens_per_s", "exposed_comm_s", "comm/replicas_bytes",
             "comm/world_exposed_s"} <= set(rows[0])
+    # train.profile: a trace per rank, Chrome's format, torch's events and paraxis's spans
+    for rank in (0, 1):
+        trace = json.loads((ckpt / f"profile/rank0000{rank}.steps2-3.trace.json").read_text())
+        names = collections.Counter(e.get("name") for e in trace["traceEvents"])
+        assert {"ProfilerStep#2", "ProfilerStep#3", "paraxis/forward", "paraxis/backward",
+                "paraxis/optimizer", "paraxis/metrics_gather"} <= set(names), names
+        assert any(str(n).startswith("aten::") for n in names)
+        assert all({"ph", "name"} <= set(e) for e in trace["traceEvents"])
+        top = (ckpt / f"profile/rank0000{rank}.steps2-3.tracemalloc.txt").read_text()
+        assert top.startswith(f"# rank {rank}, steps 2-3")
+    assert "profile written in" in text
 
 
 LLAMA = ["model.config.hidden_size=32", "model.config.intermediate_size=64",

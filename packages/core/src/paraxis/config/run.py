@@ -20,7 +20,7 @@ from paraxis.config.parallel import ParallelConfig, _Section
 from paraxis.config.text import expand_env
 
 __all__ = ["DataSection", "EvalData", "LoggingSection", "LossScaling", "ModelSection",
-           "RunConfig", "TrainSection"]
+           "ProfileWindow", "RunConfig", "TrainSection"]
 
 
 class ModelSection(_Section):
@@ -47,6 +47,20 @@ class LossScaling(_Section):
     backoff_factor: float = Field(default=0.5, gt=0, lt=1)
     growth_interval: PositiveInt = 1000
     min_scale: float = Field(default=1.0, gt=0)
+
+
+class ProfileWindow(_Section):
+    """``train.profile``: torch.profiler over ``steps`` steps from step ``start`` (the
+    steps as the console counts them, from 1) on every rank: a Chrome trace per rank
+    (Perfetto, chrome://tracing) with CPU (and CUDA, where present) activity and
+    paraxis's spans as ranges; with ``memory``, a CUDA memory snapshot (GPU) or the
+    top allocations by tracemalloc (CPU) over the window. Files go to ``dir`` (default
+    ``<run directory>/profile``), named by rank and steps."""
+
+    start: PositiveInt
+    steps: PositiveInt = 1
+    memory: bool = False
+    dir: str | None = None
 
 
 class TrainSection(_Section):
@@ -94,6 +108,7 @@ class TrainSection(_Section):
     # batches of data.eval (0: no evaluation).
     eval_every: NonNegativeInt = 0
     eval_batches: PositiveInt = 4
+    profile: ProfileWindow | None = None  # torch.profiler over chosen steps
 
     @model_validator(mode="after")
     def _bf16_spelling(self) -> TrainSection:
@@ -199,6 +214,12 @@ class RunConfig(ParallelConfig):
                                     "needs held-out data, and data.eval names none",
                                     "set data.eval.fraction (e.g. 0.05) or "
                                     "data.eval.source"))
+        window = t.profile
+        if window is not None and window.start + window.steps - 1 > t.steps:
+            problems.append(Problem("train.profile", window.model_dump(exclude_none=True),
+                                    f"ends after the last step (train.steps = {t.steps})",
+                                    f"start it at step {max(1, t.steps - window.steps + 1)} "
+                                    "or earlier"))
         if held_out.fraction and held_out.source:
             problems.append(Problem("data.eval", held_out.model_dump(),
                                     "names both a fraction and a source",

@@ -46,18 +46,25 @@ class Span:
 
 
 class Tracer:
-    """Spans of this rank's training thread, in seconds since the tracer started."""
+    """Spans of this rank's training thread, in seconds since the tracer started. While
+    ``ranges`` is on (a ``train.profile`` window) each span is also a
+    ``torch.profiler.record_function`` range named ``paraxis/<span>``, so torch's trace
+    shows paraxis's phases around its own events."""
 
     def __init__(self, rank: int = 0):
         self.rank = rank
         self.origin = time.perf_counter()
         self.spans: list[Span] = []
+        self.ranges = False
 
     @contextlib.contextmanager
     def span(self, name: str, cat: str = "compute") -> Iterator[None]:
         start = time.perf_counter() - self.origin
+        marked = (torch.profiler.record_function(f"paraxis/{name}") if self.ranges
+                  else contextlib.nullcontext())
         try:
-            yield
+            with marked:
+                yield
         finally:
             self.spans.append(Span(name, cat, start, time.perf_counter() - self.origin))
 

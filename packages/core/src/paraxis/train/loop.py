@@ -1,8 +1,8 @@
 """The training loop behind ``paraxis train``: build, parallelize, feed, log, checkpoint.
 
 :func:`train` reads as its steps: :func:`start` (model, engine, data stream, resume, the
-sinks), :func:`run_steps` (the loop with its logging and periodic checkpoints),
-:func:`finish` (last checkpoint, the axes' reports, the summary). Metrics
+sinks), :func:`run_steps` (the loop with its logging, profiler window and periodic
+checkpoints), :func:`finish` (last checkpoint, the axes' reports, the summary). Metrics
 leave through the sinks only (:mod:`paraxis.train.sinks`: console, metrics.jsonl, and
 the plugins' W&B, TensorBoard), on the logging rank.
 """
@@ -37,6 +37,7 @@ from paraxis.train.notices import (
     resume_line,
     stop_line,
 )
+from paraxis.train.profile import StepProfiler
 from paraxis.train.sinks import Sinks, check_sinks, open_sinks, run_directory
 from paraxis.train.sources import open_stream
 from paraxis.train.summary import summarize
@@ -60,6 +61,7 @@ class Run:
     held_out: Any = None  # the held-out rows (data.eval), or None
     separator: int | None = None  # with data.document_masking: the tokenizer's separator
     sinks: Sinks | None = None  # on the logging rank
+    profiler: StepProfiler | None = None  # train.profile's window
 
     def feed(self, rows: Any) -> Any:
         """What the engine gets for packed ``rows``: the rows, or with document masking
@@ -90,7 +92,7 @@ def train(cfg: RunConfig, history: list[dict[str, float]] | None = None) -> dict
         run_steps(run)
         return finish(run)
     finally:
-        if run is not None:  # a failed run still closes its sinks
+        if run is not None:  # a failed run still closes its sinks and profiler window
             _close(run)
         if lines is not None:
             lines.uninstall()
@@ -132,6 +134,8 @@ def start(cfg: RunConfig, history: list[dict[str, float]],
     run = Run(cfg, pm, engine, stream, signals, history, engine.step, len(history),
               time.perf_counter(), held_out,
               tokenizer.separator if cfg.data.document_masking else None)
+    run.profiler = StepProfiler(cfg.train.profile, rank=engine.grid.rank, device=engine.device,
+                                tracer=engine.tracer, directory=run_directory(cfg) / "profile")
     if run.logging:
         run.sinks = open_sinks(cfg, pm)
         run.sinks.start(cfg, engine.grid.describe(), engine.step)
@@ -151,7 +155,10 @@ def run_steps(run: Run) -> None:
         stop = min(stop, run.first_step + cfg.train.exit_after_steps)
     record = RankRecord()  # the launcher names a rank killed outright from it
     record.alive(engine.step)
+    profiler = run.profiler
     while engine.step < stop:
+        if profiler is not None:
+            profiler.before_step(engine.step + 1)
         batch = run.stream.next_batch()
         engine.data_state = run.stream.state_dict()
         metrics = engine.train_step(run.feed(batch))
@@ -165,6 +172,8 @@ def run_steps(run: Run) -> None:
             run.sinks.step(metrics)
             if engine.step % cfg.train.log_every == 0 or last or evaluated:
                 run.sinks.metrics(engine.step, metrics)
+        if profiler is not None:
+            profiler.after_step(engine.step)
         if engine.stop_agreed:  # a signal reached some rank: every rank stops here
             break
         every = cfg.train.checkpoint_every
@@ -191,6 +200,8 @@ def finish(run: Run) -> dict[str, float]:
     _save(run)
     engine.wait_for_checkpoint()  # an async save is on disk before the run reports it
     run.signals.uninstall()
+    if run.profiler is not None:
+        run.profiler.close(engine.step)
     if run.logging:
         _say_how_it_stopped(run)
     mine = run.history[run.done_before:]
@@ -210,13 +221,18 @@ def finish(run: Run) -> dict[str, float]:
 
 def _say_how_it_stopped(run: Run) -> None:
     """The lines of a run that stopped before ``train.steps`` (a signal, or
-    ``train.exit_after_steps``: how to resume)."""
+    ``train.exit_after_steps``: how to resume) and where the profiler wrote."""
     cfg, step = run.cfg, run.engine.step
     if run.engine.stop_agreed:
         print(stop_line(step, "by a signal", cfg.train.checkpoint_dir), flush=True)
     elif cfg.train.exit_after_steps and step < cfg.train.steps:
         print(stop_line(step, f"by train.exit_after_steps = {cfg.train.exit_after_steps}",
                         cfg.train.checkpoint_dir), flush=True)
+    if run.profiler is not None and run.profiler.written:
+        names = ", ".join(p.name.replace(f"rank{run.engine.grid.rank:05d}", "rank*")
+                          for p in run.profiler.written)
+        print(f"profile written in {run.profiler.directory}: {names} (one per rank; "
+              "the traces open in ui.perfetto.dev)", flush=True)
 
 
 def _show_reports(run: Run, sinks: Sinks, reports: list[RunReport]) -> None:
@@ -233,8 +249,11 @@ def _show_reports(run: Run, sinks: Sinks, reports: list[RunReport]) -> None:
 
 
 def _close(run: Run) -> None:
-    """After the run, or its failure: the sinks are closed (their ``end`` with no
-    summary when the run did not reach :func:`finish`)."""
+    """After the run, or its failure: the profiler window and the sinks are closed
+    (the sinks' ``end`` with no summary when the run did not reach :func:`finish`)."""
+    if run.profiler is not None:
+        with contextlib.suppress(Exception):
+            run.profiler.close(run.engine.step)
     if run.sinks is not None:
         run.sinks.end(None)
 
