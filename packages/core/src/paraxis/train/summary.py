@@ -122,7 +122,7 @@ def summarize(history: list[dict[str, float]], wall: float, steps: int) -> dict[
         "straggler_spread_s": max(m["straggler_spread_s"] for m in steady),
         "wall_time_s": wall,
     }
-    # Exposed communication per axis group (comm/<axes>_exposed_s), median over steps.
+    # Exposed communication per group (comm/<group>_exposed_s), median over steps.
     for key in sorted(k for k in history[-1] if k.startswith("comm/")
                       and k.endswith("_exposed_s")):
         out[key] = statistics.median(m.get(key, 0.0) for m in steady)
