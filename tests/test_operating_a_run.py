@@ -85,10 +85,15 @@ LLAMA = ["model.config.hidden_size=32", "model.config.intermediate_size=64",
 
 def test_a_resume_onto_another_layout_says_what_it_took_over(tmp_path):
     ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()  # a lock left by a run that died: the launcher's own warning, one line
+    (ckpt / ".paraxis.lock").write_text(json.dumps({"pid": 1, "host": "gone"}))
     first = subprocess.run(paraxis("examples/default.yaml", *LLAMA, "train.exit_after_steps=3",
                                    f"train.checkpoint_dir={ckpt}"),  # data 2 x tensor 2
                            capture_output=True, text=True, env=env(), timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
+    assert [w for w in first.stderr.splitlines() if "Warning" in w] == [
+        f"warning: UserWarning: taking over the lock of {ckpt} from pid 1 on gone, which is "
+        "no longer running"], first.stderr[-3000:]
     resume = re.findall(r"^stopped by train.exit_after_steps = 3 after step 3: checkpoint "
                         rf"{ckpt}/step-00000003 written; resume with: paraxis train --config "
                         r".*train.exit_after_steps=3.*$", first.stdout, re.M)
