@@ -61,7 +61,9 @@ def _color(text: str | None) -> tuple[int, int, int] | None:
 
 
 def _number(value: str | None) -> float:
-    return float(re.match(r"-?[\d.]+", value or "0")[0])  # "12.5", "12px"
+    """``12.5``, ``12px``: the leading number; 0 for none."""
+    hit = re.match(r"-?\d+(?:\.\d*)?", (value or "").strip())
+    return float(hit[0]) if hit else 0.0
 
 
 def svg_picture(svg: str) -> np.ndarray | None:
