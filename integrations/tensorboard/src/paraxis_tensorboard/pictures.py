@@ -6,9 +6,10 @@ pipeline's measured timeline) or arrays of numbers (the MoE load per layer and e
 * :func:`load_heatmap` paints the layer x expert tokens assigned, one cell per expert,
   shaded by its load over its layer's mean on the scale paraxis-wandb's heatmap uses
   (white: none, mid blue: the mean, dark: twice the mean or more);
-* :func:`svg_picture` paints an SVG document's rectangles in document order (the
-  timeline is rectangles: a pass per cell, idle in grey). Its text is not drawn: the SVG
-  itself, with its labels, is written in the run's directory.
+* :func:`svg_picture` paints an SVG document's rectangles (fill and a one-pixel
+  stroke) in document order (the timeline is rectangles: a pass per cell, idle in
+  grey). Its text is not drawn: the SVG itself, with its labels, is written in the
+  run's directory.
 """
 
 from __future__ import annotations
@@ -91,4 +92,8 @@ def svg_picture(svg: str) -> np.ndarray | None:
         y1 = min(height, round(y + _number(rect.get("height"))))
         if x1 > x0 and y1 > y0:
             image[y0:y1, x0:x1] = fill
+            stroke = _color(rect.get("stroke"))
+            if stroke is not None:  # its outline, one pixel (cells apart, as drawn)
+                image[y0:y1, [x0, x1 - 1]] = stroke
+                image[[y0, y1 - 1], x0:x1] = stroke
     return image
