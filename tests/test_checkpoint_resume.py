@@ -107,8 +107,10 @@ def test_checkpoint_directory_format(tmp_path):
     step_dir = ckpt / "step-00000003"
     assert sorted(p.name for p in step_dir.iterdir()) == [
         "index.json", "rank00000.safetensors", "rank00001.safetensors"]
-    # The atomic write left nothing else behind (no .tmp-, .old- or .part files).
-    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-00000003"]
+    # The atomic write left nothing else behind (no .tmp-, .old- or .part files); the
+    # run's metrics.jsonl lives beside its checkpoints (issue 38).
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "metrics.jsonl",
+                                                      "step-00000003"]
     index = json.loads((step_dir / "index.json").read_text())
     assert index["format_version"] == 4 and index["step"] == 3
     assert set(index["files"]) == {"rank00000.safetensors", "rank00001.safetensors"}
