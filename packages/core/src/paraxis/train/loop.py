@@ -137,12 +137,12 @@ def start(cfg: RunConfig, history: list[dict[str, float]],
     run.profiler = StepProfiler(cfg.train.profile, rank=engine.grid.rank, device=engine.device,
                                 tracer=engine.tracer, directory=run_directory(cfg) / "profile")
     if run.logging:
-        run.sinks = open_sinks(cfg, pm)
-        run.sinks.start(cfg, engine.grid.describe(), engine.step)
         if resumed is not None:
             layout = layout_words(cfg.degrees, cfg.parallelism.zero)
             print(resume_line(resumed, read_index(resumed), layout, stream, engine.scheduler),
                   flush=True)
+        run.sinks = open_sinks(cfg, pm)  # last: nothing after it can fail and leave them open
+        run.sinks.start(cfg, engine.grid.describe(), engine.step)
     return run
 
 
