@@ -219,3 +219,29 @@ def test_the_older_spelling_of_the_source_format_still_reads():
     assert DataSection(format="jsonl").format == "text"
     with pytest.raises(ValueError, match="older spelling"):
         DataSection(format="tokens", source_format="auto")
+
+
+@pytest.mark.parametrize("command", ["validate", "train"])
+def test_the_cli_says_each_bad_input_in_one_line_before_any_process(files, tmp_path,
+                                                                     command, capsys):
+    import yaml
+
+    from paraxis.cli.main import main
+
+    chat = str(files / "chat.jsonl")
+    cases = [({"format": "chat", "tokenizer": str(files / "none")},
+              "data.tokenizer = ", "has no chat_template"),
+             ({"format": "prompt_response"}, "data.source = ",
+              "rows have no field 'prompt' or 'response'"),
+             ({"text_field": "messages", "loss_on": "answers"}, "data.loss_on = 'answers'",
+              "format text has no answers")]
+    for fields, field, says in cases:
+        config = tmp_path / "run.yaml"
+        config.write_text(yaml.safe_dump({
+            "model": {"family": "llama", "config": {"vocab_size": 128}},
+            "data": {"source": chat, "tokenizer": str(files / "marked"), **fields}}))
+        assert main([command, "--config", str(config)]) == 1
+        err = capsys.readouterr().err
+        (line,) = [line for line in err.splitlines() if says in line]
+        assert field in line and "Fix:" in line, err
+        assert "torch.distributed" not in err and not torch.distributed.is_initialized()

@@ -69,8 +69,8 @@ def row_problem(row: Any, cfg: DataSection, noun: str = "field") -> str | None:
     missing = [name for name in field_names(cfg) if name not in row]
     if missing:
         names = " or ".join(map(repr, missing))
-        return (f"rows have no field {names}" if noun == "field" else
-                f"has no column {names} (columns: {', '.join(row)})")
+        return (f"rows have no field {names} (the first has: {', '.join(row)})"
+                if noun == "field" else f"has no column {names} (columns: {', '.join(row)})")
     if cfg.format == "chat":
         why = messages_problem(row[cfg.messages_field])
         return None if why is None else f"rows' {cfg.messages_field!r} {why}"
