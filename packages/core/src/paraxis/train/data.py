@@ -33,6 +33,9 @@ def pack(cfg: DataSection, seq_length: int, tokenizer: Any) -> torch.Tensor | To
     """All documents tokenized, separated, and cut into rows: shape (rows, seq_length).
     Tokens stay tensors throughout (no Python list of millions of ints). A directory
     ``paraxis data prepare`` wrote is not read: its rows are memory-mapped."""
+    if cfg.finetuning:
+        raise ValueError(f"data.format {cfg.format} rows are packed whole with their "
+                         "labels: paraxis.train.example_rows.pack_examples")
     if cfg.source != "stdlib" and source_kind(Path(cfg.source), cfg.source_format) == "tokens":
         return token_rows(Path(cfg.source), seq_length)
     sep = torch.tensor([tokenizer.separator], dtype=torch.long)

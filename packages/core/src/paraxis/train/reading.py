@@ -106,7 +106,7 @@ def iter_examples(cfg: DataSection) -> Iterator[Mapping[str, Any]]:
             raise ValueError(f"data.format {cfg.format} reads rows with fields "
                              f"({', '.join(field_names(cfg))}), and data.source "
                              f"{cfg.source!r} holds plain text: give JSONL or a dataset")
-        budget -= sum(len(json.dumps(record.get(f), ensure_ascii=False).encode())
+        budget -= sum(len(json.dumps(record.get(f), ensure_ascii=False, default=str).encode())
                       for f in field_names(cfg))
         if budget < 0:
             return
