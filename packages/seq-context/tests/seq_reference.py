@@ -32,9 +32,10 @@ def full_and_grads(q, k, v, dout, **kw):
 
 
 def eager(q, k, v, *, causal=True, scale=None, window=None, chunk=None, softcap=None,
-          sinks=None, documents=None):
+          sinks=None, documents=None, alibi=None):
     """Unsharded attention written as transformers' eager kernels compute it (gemma2's
-    soft-capping, gpt-oss' sinks as one more column of the softmax), masks from
+    soft-capping, gpt-oss' sinks as one more column of the softmax, BLOOM's ALiBi as
+    slope x key position), masks from
     :func:`paraxis_seq.variant.visible` and document ids (pads -1), in one pass: the
     reference of another order for the blockwise kernels. A row that sees no key gives
     0 (what the ring gives, and what a sink-only row gives)."""
@@ -45,6 +46,8 @@ def eager(q, k, v, *, causal=True, scale=None, window=None, chunk=None, softcap=
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
     pos = torch.arange(q.shape[1])
+    if alibi is not None:  # BLOOM's form: slope times the key's position alone
+        s = s + alibi.view(1, -1, 1, 1) * pos.to(s.dtype)
     mask = visible(pos, pos, causal=causal, window=window, chunk=chunk)
     mask = torch.ones(len(pos), len(pos), dtype=torch.bool) if mask is None else mask
     mask = mask.expand(q.shape[0], 1, -1, -1)

@@ -1,5 +1,5 @@
-"""Attention variants in the ring and Ulysses kernels (issue 35, item 1): soft-capping,
-sinks, sliding windows and chunked attention, with document and padding masks, against
+"""Attention variants in the ring and Ulysses kernels (issue 35, items 1 and 3): soft-capping,
+sinks, sliding windows, chunked attention and ALiBi, with document and padding masks, against
 an eager reference of another order (seq_reference.eager, float64): outputs and the
 gradients of q, k, v and the sinks, on one rank and on 2 and 4 gloo ranks. The block
 plan skips what a window or chunk hides and keeps the zigzag balance; soft-capping
@@ -32,6 +32,7 @@ CASES = {
     "chunk-softcap-docs": dict(chunk=8, softcap=1.5, docs=(5, 11)),
     "softcap-sinks-window": dict(softcap=1.5, sinks=True, window=7),
     "chunk-pads": dict(chunk=8, docs=(13, -3)),  # Ulysses: SDPA with the chunk's mask
+    "alibi-window-docs": dict(alibi=True, window=6, docs=(9, 7)),
 }
 
 
@@ -44,6 +45,8 @@ def _inputs(case, n, seed):
     q = 4 * q  # large scores, so that soft-capping matters
     g = torch.Generator().manual_seed(seed + 1)
     sinks = torch.randn(4, generator=g, dtype=torch.float64) if kw.pop("sinks", None) else None
+    if kw.pop("alibi", None):  # BLOOM's slopes for 4 heads: 2^-2, 2^-4, 2^-6, 2^-8
+        kw["alibi"] = 2.0 ** -torch.arange(2, 10, 2, dtype=torch.float64)
     lengths = kw.pop("docs", None)
     docs = None if lengths is None else documents_of([x * n for x in lengths])
     dout = torch.randn(q.shape, generator=g, dtype=torch.float64)

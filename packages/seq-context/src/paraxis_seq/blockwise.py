@@ -35,6 +35,7 @@ from paraxis_seq.variant import Variant, visible
 
 __all__ = [
     "Block",
+    "alibi_bias",
     "block_backward",
     "block_forward",
     "compute_dtype",
@@ -176,14 +177,16 @@ def _fold_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, softcap: float | None,
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scores (b, h, sq, sk), soft-capped when ``softcap`` is set (Gemma 2's
-    ``softcap·tanh(s/softcap)``), and the cap's derivative ``1 - tanh²`` (None without)."""
+    ``softcap·tanh(s/softcap)``), plus ``bias`` (ALiBi's, broadcast), and the cap's
+    derivative ``1 - tanh²`` (None without)."""
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    if softcap is None:
-        return scores, None
-    capped = torch.tanh(scores / softcap)
-    return capped * softcap, 1 - capped * capped
+    dcap = None
+    if softcap is not None:
+        capped = torch.tanh(scores / softcap)
+        scores, dcap = capped * softcap, 1 - capped * capped
+    return (scores if bias is None else scores + bias), dcap
 
 
 def _probs(scores: torch.Tensor, mask: torch.Tensor | None, lse: torch.Tensor | None,
@@ -199,12 +202,12 @@ def _probs(scores: torch.Tensor, mask: torch.Tensor | None, lse: torch.Tensor | 
 
 
 def _fused(q: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
-           softcap: float | None) -> bool:
+           softcap: float | None, bias: torch.Tensor | None) -> bool:
     """Whether PyTorch's fused CPU flash kernel computes this block (it needs one head
     size for q, k and v, so MLA's smaller value heads take the manual kernel, and has no
-    soft-capping)."""
+    soft-capping and no bias)."""
     return (q.device.type == "cpu" and (mask is None or causal) and softcap is None
-            and q.shape[-1] == v.shape[-1]
+            and bias is None and q.shape[-1] == v.shape[-1]
             and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"))
 
 
@@ -214,19 +217,21 @@ def _heads_first(*ts: torch.Tensor) -> list[torch.Tensor]:
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
                   mask: torch.Tensor | None = None, causal: bool = False,
-                  softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  softcap: float | None = None, bias: torch.Tensor | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q kᵀ · scale) v for one block: ``(out, lse)``, out ``(b, sq, h, dv)``.
 
     ``causal``: ``mask`` is the square lower triangle (the fused kernel's is_causal).
-    ``softcap``: the scores are soft-capped before the softmax (and the log-sum-exp).
+    ``softcap``: the scores are soft-capped before the softmax (and the log-sum-exp);
+    ``bias`` (broadcast to (b, h, sq, sk)) is added after the cap (ALiBi).
     ``k`` and ``v`` may have fewer heads than ``q`` (GQA); they are repeated here."""
     groups = q.shape[2] // k.shape[2]
     kr, vr = _repeat_kv(k, groups), _repeat_kv(v, groups)
-    if _fused(q, v, mask, causal, softcap):
+    if _fused(q, v, mask, causal, softcap, bias):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             *_heads_first(q, kr, vr), 0.0, mask is not None, scale=scale)
         return out.transpose(1, 2), lse
-    p, lse = _probs(_scores(q, kr, scale, softcap)[0], mask, None)
+    p, lse = _probs(_scores(q, kr, scale, softcap, bias)[0], mask, None)
     return torch.einsum("bhqk,bkhd->bqhd", p, vr), lse
 
 
@@ -234,6 +239,7 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                    lse: torch.Tensor, delta: torch.Tensor, *, scale: float,
                    mask: torch.Tensor | None = None, causal: bool = False,
                    out: torch.Tensor | None = None, softcap: float | None = None,
+                   bias: torch.Tensor | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block given the *final* ``lse`` of the rows and
     ``delta = rowsum(dout ∘ out)`` (b, h, sq) of the final output (flash-attention 2,
@@ -244,13 +250,13 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     the fused CPU kernel does the same (it forms delta from ``out`` itself)."""
     groups = q.shape[2] // k.shape[2]
     kr, vr = _repeat_kv(k, groups), _repeat_kv(v, groups)
-    if out is not None and _fused(q, v, mask, causal, softcap):
+    if out is not None and _fused(q, v, mask, causal, softcap, bias):
         dq, dk, dv = (g.transpose(1, 2) for g in
                       torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                           *_heads_first(dout, q, kr, vr, out), lse.contiguous(), 0.0,
                           mask is not None, scale=scale))
         return dq, _fold_kv(dk, groups), _fold_kv(dv, groups)
-    scores, dcap = _scores(q, kr, scale, softcap)
+    scores, dcap = _scores(q, kr, scale, softcap, bias)
     p, _ = _probs(scores, mask, lse)
     dv = torch.einsum("bhqk,bqhd->bkhd", p, dout)
     dp = torch.einsum("bqhd,bkhd->bhqk", dout, vr)
@@ -292,3 +298,13 @@ def sink_grad(lse: torch.Tensor, delta: torch.Tensor, sinks: torch.Tensor) -> to
     dS_sink = p · (0 - delta), summed over the rows (and the batch) of each head."""
     p = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse)
     return -(p * delta).sum((0, 2))
+
+
+def alibi_bias(slopes: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+               ) -> torch.Tensor:
+    """ALiBi's bias (Press et al., arXiv:2108.12409) for queries at ``q_pos`` and keys at
+    ``k_pos``: ``slope_h · (k - q)``, (1, h, sq, sk). BLOOM adds ``slope_h · k`` alone,
+    which differs by a constant per row (the softmax does not see it); the difference
+    from true positions makes it the same on every rank."""
+    diff = (k_pos[None, :] - q_pos[:, None]).to(slopes.device, slopes.dtype)
+    return slopes.view(1, -1, 1, 1) * diff

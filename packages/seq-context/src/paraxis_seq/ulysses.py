@@ -90,14 +90,15 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                     scale: float | None, window: int | None = None,
                     documents: torch.Tensor | None = None, chunk: int | None = None,
                     softcap: float | None = None, sinks: torch.Tensor | None = None,
-                    ) -> torch.Tensor:
+                    alibi: torch.Tensor | None = None) -> torch.Tensor:
     """The ring's blockwise kernel on one rank, over the whole gathered sequence: Ulysses'
-    kernel for what SDPA cannot compute (soft-capping, sinks), with the same arithmetic
-    as the ring's (:mod:`paraxis_seq.blockwise`), so both modes agree by construction."""
+    kernel for what SDPA cannot compute (soft-capping, sinks, ALiBi), with the same
+    arithmetic as the ring's (:mod:`paraxis_seq.blockwise`), so both modes agree by
+    construction."""
     alone = AxisGroup(("context",), (0,), 0, None, CommStats())
     return ring_attention(q, k, v, group=alone, causal=causal, scale=scale, window=window,
                           layout="contiguous", documents=documents, chunk=chunk,
-                          softcap=softcap, sinks=sinks)
+                          softcap=softcap, sinks=sinks, alibi=alibi)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Any,
@@ -106,15 +107,15 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
                       attention: Attention | None = None, dropout: float = 0.0,
                       documents: torch.Tensor | None = None, chunk: int | None = None,
                       softcap: float | None = None, sinks: torch.Tensor | None = None,
-                      ) -> torch.Tensor:
+                      alibi: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of sequence-sharded ``q (b, s/C, H, d)``, ``k, v (b, s/C, H_kv, d)``
     through head-sharded full-sequence attention; returns ``(b, s/C, H, d_v)``.
 
     ``attention(q, k, v, causal=, scale=, window=)`` runs on ``(b, s, H/C, d)`` tensors
     in true order (default :func:`sdpa_attention`, or :func:`local_attention` under
-    soft-capping or sinks; with ``documents``, this shard's per-token document ids, the
+    soft-capping, sinks or ALiBi; with ``documents``, this shard's per-token document ids, the
     kernel also gets ``documents=`` for the gathered sequence, and ``chunk=``,
-    ``softcap=``, ``sinks=`` (this rank's heads' sinks) when set). Collective over
+    ``softcap=``, ``sinks=`` and ``alibi=`` (this rank's heads' values) when set). Collective over
     ``group``.
     """
     if dropout:
@@ -140,11 +141,12 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
         extra["chunk"] = chunk
     if softcap is not None:
         extra["softcap"] = softcap
-    if sinks is not None:  # rank r holds query heads [r H/C, (r+1) H/C) now
-        heads = q.shape[2] // n
-        extra["sinks"] = sinks[group.rank * heads:(group.rank + 1) * heads]
-    kernel = attention or (local_attention if softcap is not None or sinks is not None
-                           else sdpa_attention)
+    heads = q.shape[2] // n  # rank r holds query heads [r H/C, (r+1) H/C) now
+    for name, per_head in (("sinks", sinks), ("alibi", alibi)):
+        if per_head is not None:
+            extra[name] = per_head[group.rank * heads:(group.rank + 1) * heads]
+    blockwise = softcap is not None or sinks is not None or alibi is not None
+    kernel = attention or (local_attention if blockwise else sdpa_attention)
     out = kernel(qh, kh, vh, causal=causal, scale=scale, window=window, **extra)
     if order is not None:
         out = out.index_select(1, order)
