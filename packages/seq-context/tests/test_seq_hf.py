@@ -72,8 +72,7 @@ def test_one_process_matches_sdpa(family, mode):
 
 
 @pytest.mark.parametrize("family,reason", [
-    ("bloom", "computes attention inline"),
-    ("gpt_neo", "computes attention inline"),
+    ("cpmant", "computes attention inline"),
     ("qwen3_next", "linear_attention"),
     ("mamba", "layer types"),
     ("xlstm", "mix the sequence outside self-attention"),

@@ -26,16 +26,20 @@ through its mask and the function reads from the module's config
 call from shard-local positions is corrected by its adapter
 (:data:`paraxis_seq.hf_adapters.ADAPTERS`).
 
-What cannot be intercepted (:func:`interceptable` says which and why): families whose
-attention modules compute attention inline (transformers' own test,
-``_can_set_attn_implementation``: bloom, falcon, mpt, gpt_neo, openai-gpt, xglm, rwkv,
-...); layers that mix the sequence without attention (Mamba, linear attention, short
-convolutions, recurrences: jamba, bamba, zamba, nemotron_h, qwen3_next, falcon_mamba,
-xlstm, ...), which would see only a rank's shard; cross-attention (encoder-decoders,
-blt, mllama); and what the kernels do not have: an additive position bias (T5-style),
-attention dropout (gpt2, bert: set the dropout to 0 to train context parallel);
-multimodal models, whose
-vision or audio towers would get the same attention on unsharded inputs. The structural checks read
+Families whose attention modules compute attention inline (transformers' own test,
+``_can_set_attn_implementation``: bloom, falcon, mpt, gpt_neo, openai-gpt, xglm, ...)
+are routed to the same function by a per-family adapter where their arithmetic is
+standard (:mod:`paraxis_seq.hf_inline`, one table).
+
+What cannot be intercepted (:func:`interceptable` says which and why): inline attention
+without an adapter (cpmant's position bias, reformer's LSH, rwkv's recurrence, ...,
+each named in the table); layers that mix the sequence without attention (Mamba,
+linear attention, short convolutions, recurrences: jamba, bamba, zamba, nemotron_h,
+qwen3_next, falcon_mamba, xlstm, ...), which would see only a rank's shard;
+cross-attention (encoder-decoders, blt, mllama); what the kernels do not have: an
+additive position bias (T5-style), attention dropout (gpt2, bert: set the dropout to 0
+to train context parallel); multimodal models, whose vision or audio towers would get
+the same attention on unsharded inputs. The structural checks read
 config fields and module class names: they are a conservative heuristic, not a proof.
 """
 
@@ -50,6 +54,7 @@ from torch import nn
 from paraxis.parallel.anatomy import Anatomy, find_anatomy
 from paraxis.parallel.batch import DOC_IDS_KWARG
 from paraxis_seq.hf_adapters import adapter_of, chunk_of
+from paraxis_seq.hf_inline import inline_reason, install_inline
 from paraxis_seq.ring import DROPOUT_REFUSED, ring_attention
 from paraxis_seq.ulysses import ulysses_attention
 from paraxis_seq.zigzag import positions
@@ -73,8 +78,9 @@ _UNSUPPORTED_KWARGS: dict[str, str] = {
 # (chunked: Llama 4's, the chunk from the config, paraxis_seq.hf_adapters.chunk_of).
 _ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 # The keywords of transformers' attention call that the kernels take: the name -> the
-# kernel's keyword (soft-capping, Gemma 2; sinks, gpt-oss' s_aux: paraxis_seq.variant).
-_VARIANT_KWARGS = {"softcap": "softcap", "s_aux": "sinks"}
+# kernel's keyword (soft-capping, Gemma 2; sinks, gpt-oss' s_aux: paraxis_seq.variant;
+# ALiBi's slopes, from the inline adapters of BLOOM and MPT: paraxis_seq.hf_inline).
+_VARIANT_KWARGS = {"softcap": "softcap", "s_aux": "sinks", "alibi": "alibi"}
 _DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
 
 
@@ -146,13 +152,12 @@ def interceptable(model: nn.Module, anatomy: Anatomy | None = None) -> str | Non
     if not isinstance(model, PreTrainedModel):
         return (f"{type(model).__name__} is not a transformers PreTrainedModel; call "
                 "paraxis_seq.ring_attention or ulysses_attention from its attention")
-    for m in model.modules():
-        if isinstance(m, PreTrainedModel) and not type(m)._can_set_attn_implementation():
-            return (f"{type(m).__name__} computes attention inline instead of calling "
-                    "transformers' attention interface (ALL_ATTENTION_FUNCTIONS), so no "
-                    "registered function can reach it")
+    for m in _inline_models(model):
+        reason = inline_reason(m)
+        if reason is not None:
+            return reason
     cfg = model.config
-    others = sorted(k for k in getattr(cfg, "sub_configs", {}) if k != "text_config")
+    others = _sub_models(cfg)
     if others:
         return (f"sub-models {others} would run the context-parallel attention on inputs "
                 "that are not sequence-sharded (image patches, audio frames); parallelize "
@@ -180,6 +185,26 @@ def interceptable(model: nn.Module, anatomy: Anatomy | None = None) -> str | Non
         if getattr(cfg, field, 0) or 0:
             return f"config.{field}={getattr(cfg, field)}: " + DROPOUT_REFUSED
     return None
+
+
+def _sub_models(cfg: Any) -> list[str]:
+    """The sub-configs of ``cfg`` that configure another model (a vision or audio tower,
+    BLT's byte encoders), not the text model: a sub-config of the model's own
+    configuration module without a model type of its own (MPT's attention settings)
+    configures a part of it."""
+    return sorted(k for k, sub in getattr(cfg, "sub_configs", {}).items()
+                  if k != "text_config" and not (
+                      getattr(sub, "model_type", None) == ""
+                      and getattr(sub, "__module__", None) == type(cfg).__module__))
+
+
+def _inline_models(model: nn.Module) -> list[nn.Module]:
+    """The transformers models in ``model`` whose attention is written inline (they
+    cannot select an attention implementation: transformers' own test)."""
+    from transformers import PreTrainedModel
+
+    return [m for m in model.modules() if isinstance(m, PreTrainedModel)
+            and not type(m)._can_set_attn_implementation()]
 
 
 def _chunked_layers_unknown(model: nn.Module, anatomy: Anatomy) -> str | None:
@@ -217,8 +242,11 @@ def use_context_attention(model: nn.Module, group: Any, *, anatomy: Anatomy | No
     from transformers import AttentionInterface
 
     name = f"paraxis_{mode}"
-    AttentionInterface.register(name, attention_function(group, mode=mode, layout=layout,
-                                                         documents=documents))
+    function = attention_function(group, mode=mode, layout=layout, documents=documents)
+    AttentionInterface.register(name, function)
+    if _inline_models(model):  # the adapters call it (paraxis_seq.hf_inline)
+        install_inline(model, function)
+        return name
     model.set_attn_implementation(name)
     if model.config._attn_implementation != name:  # set_attn_implementation only warns
         raise ValueError(f"{type(model).__name__} did not take attn_implementation={name!r} "
