@@ -73,6 +73,8 @@ def test_one_process_matches_sdpa(family, mode):
 
 @pytest.mark.parametrize("family,reason", [
     ("cpmant", "computes attention inline"),
+    ("deepseek_v32", "sparse attention indexer picks each query's top-k keys"),
+    ("glm_moe_dsa", "Ulysses' head split"),
     ("qwen3_next", "linear_attention"),
     ("mamba", "layer types"),
     ("xlstm", "mix the sequence outside self-attention"),

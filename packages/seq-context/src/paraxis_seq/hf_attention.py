@@ -73,7 +73,27 @@ _UNSUPPORTED_KWARGS: dict[str, str] = {
     "cu_seq_lens_q": "flash-attention's varlen lengths describe the whole sequence, not "
                      "a rank's shard: pass packed documents as position_ids (paraxis "
                      "turns them into document ids)",
+    "indices": "a top-k selection of keys (DeepSeek's DSA indexer) made from this rank's "
+               "shard of the keys",
 }
+# Sparse attention whose keys are chosen or pooled inside the attention module, before
+# any attention function is called (issue 35, item 4), with why neither mode serves it.
+_SPARSE_LAYERS: dict[str, str] = {
+    "indexed_attention": (
+        "DeepSeek's sparse attention indexer picks each query's top-k keys inside the "
+        "attention module, from the keys of the hidden states the module is given (a "
+        "rank's shard) and a whole-sequence mask transformers does not build for a "
+        "context-parallel implementation, before any attention function is called. Its "
+        "score sums over all of the indexer's own heads, so Ulysses' head split (which "
+        "happens after the module's projections) does not give a head group the whole "
+        "sequence's selection either; the selection would have to be made from every "
+        "rank's indexer keys, which transformers' module does not let a function do"),
+    "compressed_sparse_attention": (
+        "DeepSeek-V4's compressors pool keys and values over blocks of the sequence "
+        "inside the attention module, from the hidden states it is given (a rank's "
+        "shard), before any attention function is called"),
+}
+_SPARSE_LAYERS["heavily_compressed_attention"] = _SPARSE_LAYERS["compressed_sparse_attention"]
 # Layer kinds of config.layer_types that are softmax attention the kernels compute
 # (chunked: Llama 4's, the chunk from the config, paraxis_seq.hf_adapters.chunk_of).
 _ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
@@ -165,6 +185,9 @@ def interceptable(model: nn.Module, anatomy: Anatomy | None = None) -> str | Non
     if getattr(cfg, "is_encoder_decoder", False):
         return ("encoder-decoder model: cross-attention keys are the encoder's sequence, "
                 "which the context axis does not shard alike")
+    sparse = sorted(set(getattr(cfg, "layer_types", None) or ()) & set(_SPARSE_LAYERS))
+    if sparse:
+        return f"layer types {sparse}: " + _SPARSE_LAYERS[sparse[0]]
     kinds = set(getattr(cfg, "layer_types", None) or ()) - _ATTENTION_LAYERS
     if kinds:
         return (f"layer types {sorted(kinds)} are not plain attention (state-space, linear "
