@@ -11,12 +11,16 @@ Windows (10) and chunks (12) fall inside the zigzag chunks (16 tokens at context
 Gemma 2's shipped cap (50) would change nothing: it is 0.05 here, which caps them hard.
 """
 
+import re
+
 import pytest
+import torch.distributed as dist
 from hf_parity import compare
 from test_document_masks import SEQ as SEQ_DOCS
 from test_document_masks import VOCAB, layout_run, one_process, packed_and_padded
 
 import paraxis
+from paraxis.config.errors import ConfigError
 from paraxis.testing.parity import assert_same_gradients
 from paraxis.testing.tolerance import assert_losses_close
 from paraxis_hf import build_debug_model
@@ -74,3 +78,15 @@ def test_padding_with_sinks(worlds, mode):
     (want,) = worlds.run(1, padded_loss, {})
     for loss in worlds.run(2, padded_loss, {"context": 2, "context_mode": mode}):
         assert_losses_close([loss], [want], "padded rows under context parallelism")
+
+
+@pytest.mark.parametrize("family", ["gemma2", "llama4_text"])
+def test_a_sequence_the_mode_cannot_cut_is_refused_before_any_group(family):
+    """Ring cuts 2 x context chunks, Ulysses context: 30 tokens fit neither at context 4
+    (nor ring at 2), and parallelize says so before a process group exists."""
+    model = build_debug_model(family, **FAMILIES[family])
+    for mode, rule in (("ring", "2 x context = 8"), ("ulysses", "divide over context = 4")):
+        with pytest.raises(ConfigError, match=re.escape(rule)) as err:
+            paraxis.parallelize(model, context=4, context_mode=mode, train={"seq_length": 30})
+        assert "model.seq_length = 30" in str(err.value)
+    assert not dist.is_initialized()
