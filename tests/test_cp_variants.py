@@ -90,3 +90,11 @@ def test_a_sequence_the_mode_cannot_cut_is_refused_before_any_group(family):
             paraxis.parallelize(model, context=4, context_mode=mode, train={"seq_length": 30})
         assert "model.seq_length = 30" in str(err.value)
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_sinks_split_with_the_heads_under_tensor_parallel(worlds, mode):
+    """Context 2 x tensor 2 on gpt-oss: each tensor rank's attention gets its heads'
+    sinks (the tensor plan splits them with the heads), and Ulysses splits them again."""
+    compare(worlds, "gpt_oss", {"context": 2, "tensor": 2}, overrides=FAMILIES["gpt_oss"],
+            steps=STEPS, seq=SEQ, batch=BATCH, context_mode=mode)
