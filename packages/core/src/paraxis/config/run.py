@@ -17,6 +17,7 @@ from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt, model
 
 from paraxis.config.errors import ConfigError, Problem
 from paraxis.config.parallel import ParallelConfig, _Section
+from paraxis.config.reporting import LoggingSection, ProfileWindow
 from paraxis.config.text import expand_env
 
 __all__ = ["DataSection", "EvalData", "LoggingSection", "LossScaling", "ModelSection",
@@ -47,20 +48,6 @@ class LossScaling(_Section):
     backoff_factor: float = Field(default=0.5, gt=0, lt=1)
     growth_interval: PositiveInt = 1000
     min_scale: float = Field(default=1.0, gt=0)
-
-
-class ProfileWindow(_Section):
-    """``train.profile``: torch.profiler over ``steps`` steps from step ``start`` (the
-    steps as the console counts them, from 1) on every rank: a Chrome trace per rank
-    (Perfetto, chrome://tracing) with CPU (and CUDA, where present) activity and
-    paraxis's spans as ranges; with ``memory``, a CUDA memory snapshot (GPU) or the
-    top allocations by tracemalloc (CPU) over the window. Files go to ``dir`` (default
-    ``<run directory>/profile``), named by rank and steps."""
-
-    start: PositiveInt
-    steps: PositiveInt = 1
-    memory: bool = False
-    dir: str | None = None
 
 
 class TrainSection(_Section):
@@ -133,17 +120,29 @@ class DataSection(_Section):
     """``source``: ``stdlib`` (the running interpreter's standard-library sources), a
     text or JSONL file, a directory of them, a ``datasets`` dataset saved to disk, or a
     directory ``paraxis data prepare`` wrote (memory-mapped tokens); with ``streaming``,
-    parquet, arrow or JSONL files read as they train (:mod:`paraxis.train.stream`)."""
+    parquet, arrow or JSONL files read as they train (:mod:`paraxis.train.stream`).
+
+    ``format``: what a row is, ``text`` or a fine-tuning example whose answers alone
+    score by default, ``prompt_response`` or ``chat`` (:mod:`paraxis.train.sft`)."""
 
     source: str = "stdlib"
-    format: Literal["auto", "text", "jsonl", "hf_disk", "tokens"] = "auto"
+    format: Literal["text", "prompt_response", "chat"] = "text"
+    # How the source is stored (auto: told from the path). Before issue 34 this was
+    # ``format``; ``format: jsonl | hf_disk | tokens | auto`` is still read as it.
+    source_format: Literal["auto", "text", "jsonl", "hf_disk", "tokens"] = "auto"
     text_field: str = "text"
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    messages_field: str = "messages"
+    # Which tokens score: the responses / assistant turns, or all (None: answers for
+    # prompt_response and chat; text has no answers).
+    loss_on: Literal["answers", "all"] | None = None
     tokenizer: str = "bytes"  # or the path of a local Hugging Face tokenizer
     max_bytes: PositiveInt = 8_000_000
     shuffle: bool = True
     # Packed rows carry position ids restarting after each separator, so no token attends
     # to another document and no target crosses a boundary. Off by default: pretraining
-    # on concatenated text usually attends across; turn it on for fine-tuning data.
+    # on concatenated text usually attends across. Fine-tuning formats are always apart.
     document_masking: bool = False
     # Read the source as it trains (paraxis.train.stream): local parquet, arrow or JSONL
     # files streamed by ``datasets``, tokenized and packed on the fly, so a rank holds a
@@ -158,24 +157,42 @@ class DataSection(_Section):
     balance_tokens: bool = False
     eval: EvalData = EvalData()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _older_format_spelling(cls, raw: Any) -> Any:
+        """``format`` named how the source is stored before it named what a row is."""
+        if isinstance(raw, Mapping) and raw.get("format") in ("auto", "jsonl", "hf_disk",
+                                                               "tokens"):
+            if "source_format" in raw:
+                raise ValueError(f"data.format {raw['format']!r} is the older spelling of "
+                                 "data.source_format, which is set too: keep one")
+            raw = {**raw, "source_format": raw["format"], "format": "text"}
+        return raw
 
-class LoggingSection(_Section):
-    """Where a run's metrics go (the sinks, :mod:`paraxis.train.sinks`): the console,
-    ``metrics.jsonl`` in the run's directory (always), W&B, TensorBoard."""
+    @property
+    def finetuning(self) -> bool:  # rows are prompt_response or chat examples
+        return self.format != "text"
 
-    wandb: bool = True  # used when paraxis-wandb is installed
-    project: str = "paraxis"
-    run_name: str | None = None
-    # The rich progress bar when stdout is a terminal; otherwise (nohup, SLURM, a pipe),
-    # or with false, a plain line every train.log_every steps, flushed.
-    progress: bool = True
-    # The run's directory: metrics.jsonl (one JSON object per logged step), the axes'
-    # figures and the profiler's files. Default: train.checkpoint_dir, else
-    # runs/<run_name or "paraxis">.
-    dir: str | None = None
-    # TensorBoard event files in this directory (paraxis-tensorboard): scalars, the MoE
-    # load heatmap and the pipeline timeline as images.
-    tensorboard: str | None = None
+    @property
+    def answers_only(self) -> bool:
+        """Only the answers score (``loss_on``, with its default)."""
+        return (self.loss_on or ("answers" if self.finetuning else "all")) == "answers"
+
+    def check_rows(self) -> list[Problem]:
+        """What this section asks of a row that cannot be honoured, found without data."""
+        problems = []
+        if self.loss_on == "answers" and not self.finetuning:
+            problems.append(Problem(
+                "data.loss_on", "answers", "format text has no answers: every token of a "
+                "document is a target", "set data.format: prompt_response or chat (with "
+                "its fields), or drop data.loss_on"))
+        if self.finetuning and "document_masking" in self.model_fields_set \
+                and not self.document_masking:
+            problems.append(Problem(
+                "data.document_masking", False, f"format {self.format} keeps its examples "
+                "apart in a packed row (an answer never attends to another example)",
+                "drop data.document_masking, or set data.packing: false"))
+        return problems
 
 
 class RunConfig(ParallelConfig):
@@ -232,11 +249,11 @@ class RunConfig(ParallelConfig):
         group as the CLI does before any process)."""
         d, problems = self.data, []
         if d.streaming:
-            if d.source == "stdlib" or d.format not in ("auto", "jsonl"):
+            if d.source == "stdlib" or d.source_format not in ("auto", "jsonl"):
                 problems.append(Problem("data.streaming", True, f"streams local parquet, "
                                         f"arrow or JSONL files, not source {d.source!r} "
-                                        f"in format {d.format!r}", "point data.source at "
-                                        "such files or a directory of them"))
+                                        f"stored as {d.source_format!r}", "point data."
+                                        "source at such files or a directory of them"))
             if d.eval.fraction:
                 problems.append(Problem("data.eval.fraction", d.eval.fraction,
                                         "a stream has no end to hold rows out from",
