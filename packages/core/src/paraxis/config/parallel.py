@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import (
@@ -32,7 +31,7 @@ from pydantic import (
 
 from paraxis.config.axes import BUILTIN_AXES, AxisTable
 from paraxis.config.errors import ConfigError, Problem
-from paraxis.config.text import expand_env, nearest, parse_yaml, problem_from_pydantic
+from paraxis.config.text import nearest, problem_from_pydantic, read_config
 
 __all__ = [
     "AXES",
@@ -264,10 +263,5 @@ class ParallelConfig(_Section):
         Sections other than the three above (``model``, ``train``...) are ignored here:
         they belong to the engine's own configuration.
         """
-        text = expand_env(Path(path).read_text(), os.environ if env is None else env,
-                          source=str(path))
-        raw = parse_yaml(text, str(path)) or {}
-        if not isinstance(raw, dict):
-            raise ConfigError([Problem(str(path), type(raw).__name__, "must be a YAML mapping",
-                                       "write sections such as 'parallelism:' at top level")])
+        raw = read_config(path, os.environ if env is None else env)
         return cls.from_dict({k: raw[k] for k in cls.model_fields if k in raw})

@@ -1,13 +1,16 @@
-"""Text and validation helpers of the configuration loaders: ``${VAR}`` expansion in
-YAML text, YAML parsed with its syntax errors as problems naming the file and line, and
-pydantic's errors as :class:`~paraxis.config.errors.Problem` s (a misspelled key with
-the nearest valid name)."""
+"""Text and validation helpers of the configuration loaders: a YAML file read with
+``${VAR}`` expansion and its syntax errors as problems naming the file and line,
+``key.path=value`` overrides, and pydantic's errors as
+:class:`~paraxis.config.errors.Problem` s (a misspelled key with the nearest valid
+name)."""
 
 from __future__ import annotations
 
 import difflib
+import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -15,7 +18,8 @@ from pydantic import BaseModel
 
 from paraxis.config.errors import ConfigError, Problem
 
-__all__ = ["expand_env", "nearest", "parse_yaml", "problem_from_pydantic"]
+__all__ = ["apply_overrides", "expand_env", "nearest", "parse_yaml", "problem_from_pydantic",
+           "read_config"]
 
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
@@ -76,6 +80,49 @@ def parse_yaml(text: str, source: str = "<config>", *, lines: bool = True) -> An
             f"is not valid YAML: {what}" + (f" ({context})" if context else ""),
             "correct the YAML there (indent with spaces, close every bracket and quote, "
             "write key: value)")]) from None
+
+
+def read_config(path: str | os.PathLike[str], env: Mapping[str, str]) -> dict[str, Any]:
+    """The YAML mapping in ``path``, ``${VAR}`` expanded from ``env``; an unreadable
+    file, a syntax error or a top level that is not a mapping is a ConfigError."""
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([Problem("--config", str(path), f"cannot be read ({exc})",
+                                   "give the path of a YAML run configuration")]) from None
+    raw = parse_yaml(expand_env(text, env, source=str(path)), str(path)) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError([Problem(str(path), type(raw).__name__, "must be a YAML mapping",
+                                   "write sections such as 'train:' at top level")])
+    return raw
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> None:
+    """``train.steps=50`` sets raw["train"]["steps"] = 50 (the value parsed as YAML);
+    every malformed override is reported, all at once."""
+    bad = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            bad.append(Problem("override", item, "must look like section.key=value",
+                               "write e.g. train.steps=50"))
+            continue
+        node = raw
+        *parents, leaf = key.split(".")
+        for depth, part in enumerate(parents):
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                where = ".".join(parents[:depth + 1])
+                bad.append(Problem(f"override {item}", node, f"{where} is not a section",
+                                   f"override the keys of a section, not of {where}"))
+                break
+        else:
+            try:
+                node[leaf] = parse_yaml(value, f"override {key}", lines=False)
+            except ConfigError as exc:
+                bad += exc.problems
+    if bad:
+        raise ConfigError(bad)
 
 
 def nearest(name: str, valid: list[str] | tuple[str, ...]) -> str | None:

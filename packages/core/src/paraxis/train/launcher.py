@@ -30,6 +30,7 @@ from paraxis.config.errors import ConfigError, Problem
 from paraxis.train.failures import REPORT_ENV, explain
 from paraxis.train.forked import fork_safe, launch_forked, prepare_fork
 from paraxis.train.lifecycle import LOCK_ENV, DirectoryLock
+from paraxis.train.notices import WarningLines
 
 __all__ = ["LaunchOptions", "add_launch_arguments", "run_workers", "sbatch_script",
            "slurm_hosts", "torchrun_args"]
@@ -170,6 +171,7 @@ def run_workers(world_size: int, opts: LaunchOptions, argv: Sequence[str],
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     report = tempfile.mkdtemp(prefix="paraxis-report-")  # the workers' records
     os.environ[REPORT_ENV] = report
+    lines = WarningLines().install()  # this process's warnings as the workers' (one line)
     lock = None
     if checkpoint_dir and opts.node_rank == 0:  # one writer: the first node holds it
         lock = DirectoryLock(checkpoint_dir).acquire()
@@ -202,3 +204,4 @@ def run_workers(world_size: int, opts: LaunchOptions, argv: Sequence[str],
         shutil.rmtree(report, ignore_errors=True)
         if lock is not None:
             lock.release()
+        lines.uninstall()
