@@ -73,10 +73,13 @@ def _hot(plan: Plan) -> str:
 
 
 def _overlap(plan: Plan) -> str:
+    """How each axis hides, as the engine runs it (paraxis.planner.step)."""
     if not plan.comm:
         return "4. Overlap: nothing to overlap."
-    parts = [f"{a.axis}: {a.overlap} ({fmt_seconds(plan.step.exposed_s.get(a.axis, 0.0))} exposed)"
-             for a in plan.comm]
+    st = plan.step
+    parts = [f"{a.axis}: {st.overlap.get(a.axis, a.overlap)} "
+             f"({fmt_seconds(st.exposed_s.get(a.axis, 0.0))} of "
+             f"{fmt_seconds(st.comm_s.get(a.axis, 0.0))} exposed)" for a in plan.comm]
     return "4. Overlap: " + "; ".join(parts) + "."
 
 

@@ -20,6 +20,7 @@ and the pipeline bubble.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,10 +38,20 @@ def rank_chunks(num_layers: int, p: int, v: int = 1, *, hidden: int = 0, vocab: 
     """Per pipeline rank, its chunks as (first layer, layer count), in chunk order: the
     pipeline axis's own split (:func:`paraxis.parallel.split.stage_ranges`, balanced with
     the head's cost from ``hidden`` and ``vocab``, or the given split ``points``)."""
+    cut = _rank_chunks(num_layers, p, v, hidden, vocab, tuple(points) if points else None)
+    return [list(chunks) for chunks in cut]
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_chunks(num_layers: int, p: int, v: int, hidden: int, vocab: int,
+                 points: tuple[int, ...] | None) -> tuple[tuple[tuple[int, int], ...], ...]:
+    # Cached: the search asks for the same cut for every option set and every rank, and
+    # the balanced split costs tens of milliseconds for 80 layers over 64 chunks.
     chunks = p * v
-    ranges = stage_ranges(num_layers, chunks, hidden=hidden, vocab=vocab, points=points)
-    return [[(ranges[k][0], ranges[k][1] - ranges[k][0]) for k in range(r, chunks, p)]
-            for r in range(p)]
+    ranges = stage_ranges(num_layers, chunks, hidden=hidden, vocab=vocab,
+                          points=list(points) if points else None)
+    return tuple(tuple((ranges[k][0], ranges[k][1] - ranges[k][0])
+                       for k in range(r, chunks, p)) for r in range(p))
 
 
 def layout_chunks(counts: Any, layout: Any) -> list[list[tuple[int, int]]]:
