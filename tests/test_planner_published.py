@@ -44,3 +44,14 @@ def test_llama3_8b_on_8_h100s_is_recommended_a_zero_layout(seq, replicas):
     assert best.layout.parallelism.zero >= 1
     assert best.layout.schedule.activation_checkpointing == "none"
     assert 0.3 < best.step.mfu < 0.6  # not the issue's 100.0%
+
+
+def test_the_documented_table_is_the_modules():
+    """docs/plan-step-time.md quotes `python -m paraxis.planner.published`: regenerate
+    it when the step model changes."""
+    from pathlib import Path
+
+    from paraxis.planner.published import table
+
+    doc = Path(__file__).resolve().parents[1] / "docs" / "plan-step-time.md"
+    assert table() in doc.read_text()

@@ -16,7 +16,7 @@ from typing import Any
 
 from paraxis.planner.units import fmt_bytes, fmt_seconds
 
-__all__ = ["TIE_RTOL", "is_tie", "tie_key", "why_slower"]
+__all__ = ["TIE_RTOL", "is_tie", "tie_key", "tie_reason", "why_slower"]
 
 TIE_RTOL = 0.002  # step times this close (0.2%) tie
 
@@ -35,9 +35,11 @@ def tie_key(plan: Any) -> tuple[float, int, float]:
     return (sum(plan.step.exposed_s.values()), axes, plan.worst.total)
 
 
-def _tie_reason(plan: Any, best: Any) -> str:
-    (e1, a1, m1), (e0, a0, m0) = tie_key(plan), tie_key(best)
-    same = f"ties #1 on time ({fmt_seconds(plan.step.step_s)} vs {fmt_seconds(best.step.step_s)})"
+def tie_reason(plan: Any, other: Any, rank: int = 1) -> str:
+    """How ``plan`` ties ``other`` (ranked #``rank``) and what put it below."""
+    (e1, a1, m1), (e0, a0, m0) = tie_key(plan), tie_key(other)
+    same = (f"ties #{rank} on time ({fmt_seconds(plan.step.step_s)} vs "
+            f"{fmt_seconds(other.step.step_s)})")
     if e1 > e0 * (1 + 1e-6):
         return f"{same}, more communication exposed ({fmt_seconds(e1)} vs {fmt_seconds(e0)})"
     if a1 > a0:
@@ -64,7 +66,7 @@ def why_slower(plan: Any, best: Any) -> str:
     that make ``plan``'s extra time, with what offsets them when the net is smaller
     (never a reason that contradicts the order)."""
     if is_tie(plan, best):
-        return _tie_reason(plan, best)
+        return tie_reason(plan, best)
     mine, theirs = plan.step.components(), best.step.components()
     diffs = {k: mine.get(k, 0.0) - theirs.get(k, 0.0) for k in set(mine) | set(theirs)}
     net = plan.step.step_s - best.step.step_s
@@ -74,7 +76,7 @@ def why_slower(plan: Any, best: Any) -> str:
     top = ups[0][1]
     ups = [(k, d) for k, d in ups if d >= 0.25 * top][:3]
     downs = sorted(((k, d) for k, d in diffs.items() if d < -0.25 * net), key=lambda kv: kv[1])
-    if len(ups) == 1 and not downs:
+    if len(ups) == 1 and not downs and abs(top - net) <= 0.2 * net:
         return f"{_name(ups[0][0], plan, best)} +{fmt_seconds(top)}"
     line = ", ".join(f"{_name(k, plan, best, True)} +{fmt_seconds(d)}" for k, d in ups)
     if downs:

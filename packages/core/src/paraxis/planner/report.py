@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from paraxis.planner.evaluate import Plan
 from paraxis.planner.inputs import Hardware
-from paraxis.planner.reasons import is_tie, why_slower
+from paraxis.planner.reasons import is_tie, tie_reason, why_slower
 from paraxis.planner.schedule import closed_form_bubble
 from paraxis.planner.search import Ranking
 from paraxis.planner.units import fmt_bytes, fmt_rate, fmt_seconds
@@ -145,6 +145,9 @@ def format_ranking(r: Ranking, *, world: int, top: int, hw: Hardware) -> str:
     for i, plan in enumerate(r.plans[:top], start=1):
         d, par = plan.layout.degrees, plan.layout.parallelism
         why = "" if i == 1 else why_slower(plan, best)
+        previous = r.plans[i - 2] if i > 2 else None
+        if previous is not None and plan.step.step_s < previous.step.step_s:
+            why += f"; {tie_reason(plan, previous, i - 1)}"  # a tie put it below
         if plan.unchecked:  # a star: rules of an axis not installed went unchecked
             why = f"* {why}".rstrip()
             unchecked.update(plan.unchecked)
