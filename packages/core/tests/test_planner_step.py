@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from paraxis.planner.cost import rank_compute
-from paraxis.planner.efficiency import BUILTIN, Curve
+from paraxis.planner.efficiency import BUILTIN, Curve, override
 from paraxis.planner.evaluate import evaluate, make_layout
 from paraxis.planner.inputs import Hardware, Workload
 from paraxis.planner.memory import rank_layers
@@ -112,8 +112,9 @@ def test_a_group_across_nodes_uses_every_nic_of_its_members_in_a_node():
     """NCCL's rings cross each node boundary once per channel, one NIC each: 8 data
     ranks per node move gradients 8 x faster than 1 per node (tensor 8 inside)."""
     work = replace(WORK, global_batch=64)
-    wide = _plan({"data": 16}, {}, Hardware(gpus_per_node=8), work)
-    narrow = _plan({"data": 2, "tensor": 8}, {}, Hardware(gpus_per_node=8), work)
+    hw = Hardware(gpus_per_node=8, efficiency=override(BUILTIN["h100"], "latency=0"))
+    wide = _plan({"data": 16}, {}, hw, work)
+    narrow = _plan({"data": 2, "tensor": 8}, {}, hw, work)
     per_byte_wide = wide.step.comm_s["data"] / wide.comm[0].bytes
     per_byte_narrow = narrow.step.comm_s["data"] / narrow.comm[0].bytes
     assert per_byte_narrow == pytest.approx(8 * per_byte_wide, rel=0.05)

@@ -101,6 +101,11 @@ def _failure_modes(plan: Plan) -> str:
                      "make it the straggler")
     if any(a.axis == "tensor" and a.link == "inter" for a in plan.comm):
         watch.append("tensor-parallel collectives crossing nodes on every layer")
+    exposed = plan.step.exposed_s.get("tensor", 0.0)
+    if exposed > 0.05 * plan.step.step_s:
+        watch.append(f"tensor-parallel collectives exposed on every layer, "
+                     f"{exposed / plan.step.step_s:.0%} of the step "
+                     f"(parallelism.tensor_overlap {par.tensor_overlap})")
     if par.zero == 3:
         watch.append("all-gather latency exposed when a layer's compute is too short to "
                      "hide it, and transient peaks from unevenly sized gathered units")

@@ -107,10 +107,9 @@ def _seconds(a: AxisComm, calls: float, layout: ParallelConfig, hw: Hardware) ->
     return calls * eff.collective_s + a.bytes / (bw * eff.link_efficiency)
 
 
-def _calls(axis: str, counts: ModelCounts, layout: ParallelConfig, work: Workload,
-           layers: int, moe: int) -> float:
+def _calls(a: AxisComm, layout: ParallelConfig, layers: int, moe: int) -> float:
     """Collective calls per step on the busiest rank."""
-    par, sched = layout.parallelism, layout.schedule
+    par, sched, axis = layout.parallelism, layout.schedule, a.axis
     m = sched.microbatches
     replays = {"none": 0, "selective": 1, "full": 2}[sched.activation_checkpointing]
     if axis == "tensor":
@@ -124,8 +123,10 @@ def _calls(axis: str, counts: ModelCounts, layout: ParallelConfig, work: Workloa
         return m * layers * (3 * (c - 1) if par.context_mode == "ring" else 8)
     if axis == "pipeline":
         return m * 2 * sched.virtual_stages
-    units = layers + 2
-    return units * (2 * m + 1) if par.zero == 3 else max(1, units // 2) * (1 + (par.zero > 0))
+    if par.zero == 3:  # a gather per unit forward and backward per microbatch, one scatter
+        return (layers + 2) * (2 * m + 1)
+    buckets = math.ceil(a.bytes / (2 * par.bucket_mb * MiB))  # ~2 bus bytes per byte held
+    return max(1, buckets)
 
 
 def estimate_step(counts: ModelCounts, layout: ParallelConfig, work: Workload,
@@ -140,8 +141,7 @@ def estimate_step(counts: ModelCounts, layout: ParallelConfig, work: Workload,
     mb = per_rank[busiest]
     held = rank_layers(counts, layout, busiest)
     layers, moe = len(held), sum(1 for c in held if c.experts)
-    comm_s = {a.axis: _seconds(a, _calls(a.axis, counts, layout, work, layers, moe), layout, hw)
-              for a in comm}
+    comm_s = {a.axis: _seconds(a, _calls(a, layout, layers, moe), layout, hw) for a in comm}
     exposed, notes = {}, {}
     for a in comm:
         exposed[a.axis], notes[a.axis] = _exposed(a, comm_s[a.axis], mb, layout, work,
