@@ -4,9 +4,10 @@ backward between adjacent stages with batched isend/irecv.
 Sends are asynchronous and awaited at the end of the step (a legal schedule never needs
 a send to finish before the sender's next action); receives block until their data is
 there. Tags encode (kind, microbatch, stage), so messages never match the wrong receive.
-Activations of a microbatch are dropped as soon as its backward (or, for a split
-backward, its weight gradient) has run. Each action's compute time is recorded for the
-measured timeline.
+Adjacent stages on the same rank (the turn of a V placement, stages ``p-1`` and ``p``)
+hand their tensors over in memory, with no message. Activations of a microbatch are
+dropped as soon as its whole backward (B) or its weight gradient (W, after a split
+backward's I) has run. Each action's compute time is recorded for the measured timeline.
 
 Auxiliary-loss carries (:class:`paraxis.parallel.batch.AuxLosses`): when a strategy declared one,
 each forward sends, beside the hidden states, the sum of the stages' contributions so
@@ -90,13 +91,21 @@ class PipelineRunner:
         # (action, start, end) in the machine's monotonic clock, shared by local ranks.
         self.timeline: list[tuple[Action, float, float]] = []
         self._wire = torch.float32  # this step's dtype of hidden states on the wire
+        # Messages between two stages of this rank, by tag (the turn of a V).
+        self._local: dict[int, torch.Tensor] = {}
 
     # ---- messaging ---------------------------------------------------------------
 
     def _peer(self, stage: int) -> int:
         return self.group.ranks[self.schedule.place(stage)[0]]
 
+    def _here(self, stage: int) -> bool:
+        return self.schedule.place(stage)[0] == self.rank
+
     def _send(self, t: torch.Tensor, stage: int, kind: str, mb: int, src_stage: int) -> Any:
+        if self._here(stage):  # the receiving stage is this rank's: no wire, no rounding
+            self._local[_tag(kind, mb, src_stage)] = t
+            return []
         # Hidden states and their gradients travel in the step's wire dtype; carries
         # stay float64.
         t = (t if kind.startswith("C") else t.to(self._wire)).contiguous()
@@ -107,6 +116,9 @@ class PipelineRunner:
 
     def _recv(self, shape: tuple[int, ...], stage: int, kind: str, mb: int,
               src_stage: int) -> torch.Tensor:
+        if self._here(stage):
+            t = self._local.pop(_tag(kind, mb, src_stage))
+            return t if t.dtype in (torch.float32, torch.float64) else t.float()
         dtype = torch.float64 if kind.startswith("C") else self._wire
         buf = torch.empty(shape, device=self.device, dtype=dtype)
         op = dist.P2POp(dist.irecv, buf, self._peer(stage), self.group.pg,
@@ -134,7 +146,7 @@ class PipelineRunner:
         st = _Step(microbatches, loss_fn, scale, train, aux_scale,
                    carrying=train and self.ctx.aux_losses.carry_size > 0,
                    total=torch.zeros((), dtype=torch.float64, device=self.device))
-        self.timeline = []
+        self.timeline, self._local = [], {}
         # Under bf16/fp16 hidden states and their gradients cross stages in that dtype
         # (half the bytes; one rounding more, as the residual stream is fp32).
         with self.ctx.forward_context():
@@ -143,7 +155,7 @@ class PipelineRunner:
             for a in actions:
                 if a.kind == "F":
                     self._forward_action(a, st)
-                elif a.kind == "B":
+                elif a.kind in ("B", "I"):
                     self._backward_action(a, st)
                 else:  # W: weight gradients of a split backward
                     start = time.perf_counter()
@@ -188,9 +200,9 @@ class PipelineRunner:
         if st.carrying and not last:
             outs += self._backward_aux(key, stage, st)
         start = time.perf_counter()
-        x_grad = self._backward(key, outs, grad, st, stage)
-        if stage > 0 or not self.schedule.split_backward:  # stage 0's split B does nothing
-            self._record(a, start)  # (its whole backward runs at W): no B to measure
+        x_grad = self._backward(key, outs, grad, st, stage, whole=a.kind == "B")
+        if stage > 0 or a.kind == "B":  # stage 0's I does nothing (its whole backward
+            self._record(a, start)  # runs at W): no I to measure
         if stage > 0:
             st.sends += self._send(x_grad, stage - 1, "B", a.mb, stage)
         if st.carrying:
@@ -237,19 +249,22 @@ class PipelineRunner:
         return [grad, *(torch.ones_like(o) for o in outs[1:])]
 
     def _backward(self, key: tuple[int, int], outs: list[torch.Tensor],
-                  grad: torch.Tensor | None, st: _Step, stage: int) -> torch.Tensor | None:
+                  grad: torch.Tensor | None, st: _Step, stage: int, *, whole: bool,
+                  ) -> torch.Tensor | None:
+        """The whole backward (``whole``: B), or a split backward's input gradient (I),
+        leaving what its W needs in ``st.grads``."""
         inputs, outputs, grads = st.inputs, st.outputs, st.grads
         x = inputs[key]
         live = [(o, g) for o, g in zip(outs, self._grad_list(outs, grad), strict=True)
                 if o.requires_grad]
-        if not self.schedule.split_backward:
+        if whole:
             if live:
                 torch.autograd.backward([o for o, _ in live], [g for _, g in live])
             inputs.pop(key), outputs.pop(key)  # activations freed now
             return (x.grad if x.grad is not None else torch.zeros_like(x)) if stage > 0 \
                 else None
         # Split backward: the input gradient now (on the critical path), the weight
-        # gradients at the W action. With torch's helpers B keeps the intermediate
+        # gradients at the W action. With torch's helpers I keeps the intermediate
         # gradients W needs, so nothing is computed twice; without them W walks the
         # graph again from the output.
         if stage == 0:  # no input gradient to send: all the work happens at W
