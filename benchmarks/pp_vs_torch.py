@@ -76,7 +76,8 @@ class TorchPipeline:
 
     def __init__(self, args, name: str):
         chunks, schedule_cls = PAIRS[name]
-        self.model = engine_for(args, name, chunks).model
+        self.engine = engine_for(args, name, chunks)  # only its stage modules are used
+        self.model = self.engine.model
         modules = list(self.model) if chunks > 1 else [self.model]
         world, rank = dist.get_world_size(), dist.get_rank()
         placement = "v" if name in V_SCHEDULES else "looped"
@@ -135,7 +136,7 @@ def main() -> None:
     bubbles = measure_bubbles(args, ours)
     if rank == 0:
         report(args, world, run, bubbles)
-    for engine in ours.values():
+    for engine in (*ours.values(), *(t.engine for t in theirs.values())):
         engine.close()
     shutdown()
 
