@@ -178,3 +178,37 @@ def test_v_timeline_names_ranks_and_chunks():
     text = render_text(t)
     assert text.startswith("rank 0: F0") and "F0c1" in text and "I0c1" in text
     assert "rank 1" in render_svg(t)
+
+
+def _torch_order(cls, p, m):
+    """torch's per-rank order for its V schedule class, in this package's actions (its
+    overlapped F&B pairs expanded; private API, stable since torch 2.9)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import schedules as ts
+
+    kinds = {ts.F: "F", ts.I: "I", ts.W: "W", ts.B: "B"}
+    fake = SimpleNamespace(pp_group_size=p, _n_microbatches=m, num_stages=2 * p)
+    rows = []
+    for r in range(p):
+        row = []
+        for a in filter(None, cls._calculate_single_rank_operations(fake, r)):
+            for sub in a.sub_actions if a.computation_type == ts.OVERLAP_F_B else (a,):
+                row.append(Action(kinds[sub.computation_type], sub.microbatch_index,
+                                  0 if sub.stage_index == r else 1))
+        rows.append(tuple(row))
+    return tuple(rows)
+
+
+@pytest.mark.parametrize(("name", "torch_name"), [("zbv", "ScheduleZBVZeroBubble"),
+                                                  ("dualpipev", "ScheduleDualPipeV")])
+def test_v_orders_are_torchs(name, torch_name):
+    """The benchmark's peer runs the very order paraxis runs."""
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    cls = getattr(schedules, torch_name, None)
+    if cls is None or not hasattr(cls, "_calculate_single_rank_operations"):
+        pytest.skip(f"this torch has no {torch_name} order to compare with")
+    for p, m in V_GRID:
+        if name == "dualpipev" and m < 2 * p:
+            continue
+        assert build(name, p, m, 2).actions == _torch_order(cls, p, m), (p, m)
