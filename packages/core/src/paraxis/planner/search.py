@@ -62,7 +62,7 @@ def grids(world: int, fixed: dict[str, int], *, experts: bool = True,
 
 def _option_sets(degrees: dict[str, int], fixed: dict[str, Any], max_zero: int = 3,
                  ) -> Iterator[dict[str, Any]]:
-    zeros = list(range(min(max_zero, 1 if degrees["pipeline"] > 1 else 3) + 1))
+    zeros = list(range(max_zero + 1))  # every stage beside a pipeline too (issue 36)
     sps = [False, True] if degrees["tensor"] > 1 else [False]
     seen = set()
     for zero, recompute, sp in itertools.product(zeros, RECOMPUTE, sps):
