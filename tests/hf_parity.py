@@ -35,6 +35,9 @@ from paraxis_hf import build_debug_model
 
 LR, BATCH, SEQ = 1e-3, 8, 16
 IGNORED = 9  # labels of sample 0 set to -100 (see train)
+# The groups over the data axis (issue 38's metric names; HSDP's data_shard x ... and
+# data_replica keep their keys).
+DATA_SIDE = ("comm/data", "comm/replicas", "comm/expert_replicas", "comm/sequence_shards")
 _REFERENCES: dict[tuple, tuple] = {}
 _STARTS: dict[tuple, tuple] = {}
 
@@ -81,8 +84,8 @@ def train(family, degrees, overrides, steps, options, order=None, seq=SEQ, batch
         if recipe.get("compile") and not history:  # what compiled is the layers
             assert engine.ctx.extras["compile"].endswith("layers"), engine.ctx.extras
         m = engine.train_step(share)
-        data_bytes = sum(v for k, v in m.items()
-                         if k.startswith("comm/data") and k.endswith("_bytes"))
+        data_bytes = sum(v for k, v in m.items()  # the groups over the data axis
+                         if k.startswith(DATA_SIDE) and k.endswith("_bytes"))
         history.append((m["loss"], m["grad_norm"], m.get("moe/aux_loss"), _biases(engine),
                         m.get("model_state_bytes"), data_bytes))
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(4))
