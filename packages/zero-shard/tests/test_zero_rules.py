@@ -88,3 +88,21 @@ def test_layout_placements_say_which_rows_each_rank_holds():
     assert (shard.shards[-1].offset, shard.shards[-1].length) == (3, 3)
     assert layout.rank_rows(1, rank=1) == (1, 0, 1)  # one row: ranks 1 and 2 hold padding
     assert layout.rank_rows(0, rank=2) == (6, 1, 2)
+
+
+@pytest.mark.parametrize("command", ["validate", "train"])
+def test_the_cli_says_a_bad_zero_shard_in_one_line_before_any_process(tmp_path, capsys,
+                                                                     command):
+    """Issue 36's bad input: zero_shard not dividing data, one line, exit 1, no process
+    group and no worker started."""
+    from paraxis.cli.main import main
+
+    config = tmp_path / "run.yaml"
+    config.write_text("parallelism: {data: 4, zero: 3, zero_shard: 3}\n"
+                      "model: {family: tiny, config: {hidden_size: 32, num_layers: 2, "
+                      "num_heads: 4, intermediate_size: 64}}\n"
+                      "data: {source: stdlib, tokenizer: bytes}\n")
+    assert main([command, "--config", str(config)]) == 1
+    lines = [x for x in capsys.readouterr().err.splitlines() if "zero_shard" in x]
+    assert len(lines) == 1 and "must divide parallelism.data (4)" in lines[0]
+    assert not torch.distributed.is_initialized()
