@@ -115,10 +115,11 @@ class _Flat:
         added since) or the gradient autograd left."""
         if self.acc is None:
             return [p.grad for p in self.layout.params]
-        out = self.wholes_of(self.acc)
-        for p, view in zip(self.layout.params, out, strict=True):
+        out: list[torch.Tensor | None] = []
+        for p, view in zip(self.layout.params, self.wholes_of(self.acc), strict=True):
             if p.grad is not None:
                 view.add_(p.grad)
+            out.append(view)
         return out
 
 
@@ -292,10 +293,10 @@ class ShardedUnit:
         for f in self.flats:
             f.send = None
             if f.trainable and f.layout.replicas is not None and f.grad is not None:
-                work = all_reduce_(f.grad, f.layout.replicas, async_op=True,
-                                   wire_dtype=self.wire_dtype)
-                assert work is not None
-                self.replicating.append(work)
+                replicated = all_reduce_(f.grad, f.layout.replicas, async_op=True,
+                                         wire_dtype=self.wire_dtype)
+                assert replicated is not None
+                self.replicating.append(replicated)
 
     def wait_reduce(self) -> None:
         """Wait for the reductions; the shards' gradients are views of the result

@@ -246,7 +246,8 @@ def _hsdp_links(layout: ParallelConfig, gpus_per_node: int) -> tuple[str, str]:
             return "intra"
         return "intra" if span <= gpus_per_node and gpus_per_node % span == 0 else "inter"
 
-    return fits(inner * layout.parallelism.zero_shard), fits(inner * deg["data"])
+    shard = layout.parallelism.zero_shard or deg["data"]
+    return fits(inner * shard), fits(inner * deg["data"])
 
 
 def _context(counts: ModelCounts, layout: ParallelConfig, work: Workload, layers: int,
