@@ -119,6 +119,11 @@ class Parallelism(_Section):
     # ZeRO-3: units (layers) gathered ahead of the running one in forward and behind it
     # in backward; 0 gathers each unit only when it runs. Each adds a unit's bytes.
     zero_prefetch: int = Field(default=1, ge=0)
+    # Hybrid sharding (HSDP, issue 36): ZeRO over groups of this many data ranks, the
+    # data/zero_shard groups holding replicas of the same shards (reduce-scatter and
+    # gathers inside a group, the shards' gradients all-reduced across groups). None
+    # shards over every data rank. It must divide data.
+    zero_shard: PositiveInt | None = None
     # The dtype gradients travel in on the data and ZeRO reductions: fp32 (gradients
     # are fp32 under every precision, see train.precision), or bf16 to halve the bytes
     # (each rank's gradient rounded to bf16 before the sum, the sum rounded once more).

@@ -54,6 +54,8 @@ def add_plan_parser(sub: Any) -> None:
     for axis in AXES:
         p.add_argument(f"--{axis}", type=int, help=f"{axis}-parallel degree")
     p.add_argument("--zero", type=int, choices=range(4))
+    p.add_argument("--zero-shard", type=int, help="ZeRO over groups of this many data "
+                   "ranks, replicated across them (HSDP); default: searched")
     p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction)
     p.add_argument("--expert-tensor", type=int, help="tensor ranks each expert's FFN is "
                    "split over: 1 (experts whole) or the tensor degree")
@@ -93,7 +95,8 @@ def _hardware(args: argparse.Namespace) -> Hardware:
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     opts: dict[str, Any] = {}
-    for key, name in (("zero", "zero"), ("sequence_parallel", "sequence_parallel"),
+    for key, name in (("zero", "zero"), ("zero_shard", "zero_shard"),
+                      ("sequence_parallel", "sequence_parallel"),
                       ("expert_tensor", "expert_tensor"),
                       ("recompute", "activation_checkpointing"),
                       ("schedule", "pipeline_schedule"), ("virtual_stages", "virtual_stages"),

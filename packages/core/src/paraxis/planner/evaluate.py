@@ -26,7 +26,7 @@ __all__ = ["OPTION_KEYS", "Plan", "evaluate", "make_layout", "problems", "unchec
 
 # Options beside the degrees, as ParallelConfig.from_kwargs names them.
 OPTION_KEYS = ("zero", "sequence_parallel", "activation_checkpointing", "pipeline_schedule",
-               "virtual_stages", "context_mode", "expert_tensor")
+               "virtual_stages", "context_mode", "expert_tensor", "zero_shard")
 
 
 def make_layout(degrees: dict[str, int], options: dict[str, Any], work: Workload,
@@ -103,7 +103,7 @@ class Plan:
 
     def config_dict(self) -> dict[str, Any]:
         par, sched = self.layout.parallelism, self.layout.schedule
-        return {**self.layout.degrees, "zero": par.zero,
+        return {**self.layout.degrees, "zero": par.zero, "zero_shard": par.zero_shard,
                 "sequence_parallel": par.sequence_parallel, "expert_tensor": par.expert_tensor,
                 "recompute": sched.activation_checkpointing,
                 "schedule": sched.pipeline_schedule, "virtual_stages": sched.virtual_stages,

@@ -84,13 +84,14 @@ def estimate_step(counts: ModelCounts, layout: ParallelConfig, work: Workload,
         seconds = a.bytes / (hw.intra_bw if a.link == "intra" else hw.inter_bw)
         if a.axis == "context" and layout.parallelism.context_mode == "ring":
             seconds = max(0.0, seconds - attention)
-        elif a.axis == "data":
+        elif a.axis in ("data", "data_replica"):  # HSDP's second data entry
             seconds = _data_exposed(a, layout, seconds, compute + recompute)
         exposed[a.axis] = seconds
     in_layer = sum(s for axis, s in exposed.items() if axis in IN_LAYER)
     busy = compute + recompute + in_layer
     bubble_s = busy * bubble / (1.0 - bubble)
-    step = busy + bubble_s + exposed.get("pipeline", 0.0) + exposed.get("data", 0.0)
+    step = busy + bubble_s + exposed.get("pipeline", 0.0) + exposed.get("data", 0.0) \
+        + exposed.get("data_replica", 0.0)
     return StepEstimate(compute, recompute, bubble_s, exposed, step,
                         flops / (step * world * hw.peak_flops), tokens / step)
 
@@ -98,7 +99,7 @@ def estimate_step(counts: ModelCounts, layout: ParallelConfig, work: Workload,
 def _data_exposed(a: AxisComm, layout: ParallelConfig, seconds: float, busy: float) -> float:
     par, m = layout.parallelism, layout.schedule.microbatches
     if par.zero == 3:
-        return max(seconds - busy, seconds / (2 * m + 1))
+        return max(seconds - busy, seconds / (2 * m + 1 if par.pipeline == 1 else 2))
     backward = busy * 2.0 / 3.0  # backward is about twice the forward
     bucket_share = min(1.0, par.bucket_mb * MiB * 2 / max(a.bytes, 1.0))
     return max(seconds - backward, seconds * bucket_share)
