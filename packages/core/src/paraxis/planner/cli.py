@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from paraxis.config.parallel import AXES, PIPELINE_SCHEDULES
+from paraxis.config.parallel import AXES, PIPELINE_SCHEDULES, V_SCHEDULES
 from paraxis.planner.evaluate import Plan, evaluate, make_layout, problems
 from paraxis.planner.explain import explain
 from paraxis.planner.inputs import Hardware, Workload
@@ -105,6 +105,8 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
             opts[name] = getattr(args, key)
     if opts.get("virtual_stages", 1) > 1 and "pipeline_schedule" not in opts:
         opts["pipeline_schedule"] = "interleaved_1f1b"
+    if opts.get("pipeline_schedule") in V_SCHEDULES:  # a V holds two chunks per rank
+        opts.setdefault("virtual_stages", 2)
     return opts
 
 

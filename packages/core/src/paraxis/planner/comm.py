@@ -60,7 +60,7 @@ from paraxis.config.parallel import AXES, TOKEN_AXES, ParallelConfig
 from paraxis.planner.inputs import Workload
 from paraxis.planner.memory import BYTES_PER_PARAM, shard_group_sizes
 from paraxis.planner.model import LayerCount, ModelCounts
-from paraxis.planner.schedule import layout_chunks
+from paraxis.planner.schedule import holds_ends, layout_chunks
 
 __all__ = ["AxisComm", "communication", "link_of"]
 
@@ -173,7 +173,7 @@ def _tensor_stage(counts: ModelCounts, layout: ParallelConfig, work: Workload, r
                    and not _has_dense_mlp(counts, counts.layers[i]))
     mlp = 2 + (sched.activation_checkpointing == "full")  # the MLP's, replays included
     per_mb = ((4 + replays) * len(layer_ids) - mlp * moe_only) * 2 * sbh * ring
-    first, last = rank == 0, rank == par.pipeline - 1
+    first, last = holds_ends(sched.pipeline_schedule, par.pipeline, rank)
     if first:
         per_mb += 2 * sbh * ring
     elif sp:  # a later stage gathers the sequence-split activations it received

@@ -19,7 +19,7 @@ from paraxis.planner.comm import AxisComm, communication
 from paraxis.planner.inputs import DEFAULT_HARDWARE, Hardware, Workload
 from paraxis.planner.memory import Memory, held_params, rank_layers, rank_memory
 from paraxis.planner.model import ModelCounts
-from paraxis.planner.schedule import Bubble, bubble
+from paraxis.planner.schedule import Bubble, bubble, holds_ends
 from paraxis.planner.step import StepEstimate, estimate_step
 
 __all__ = ["OPTION_KEYS", "Plan", "evaluate", "make_layout", "problems", "unchecked_axes"]
@@ -147,8 +147,9 @@ def evaluate(counts: ModelCounts, layout: ParallelConfig, work: Workload,
     p, v = par.pipeline, sched.virtual_stages
     ranks = range(p) if every_rank else sorted({0, p - 1})
     memory = tuple(rank_memory(counts, layout, work, r) for r in ranks)
-    dense, expert = max((held_params(counts, rank_layers(counts, layout, r), r == 0,
-                                     r == p - 1, par.tensor, par.expert, p)
+    dense, expert = max((held_params(counts, rank_layers(counts, layout, r),
+                                     *holds_ends(sched.pipeline_schedule, p, r),
+                                     par.tensor, par.expert, p)
                          for r in range(p)), key=sum)  # the rank with most gradients
     comm = tuple(communication(counts, layout, work, gpus_per_node=hardware.gpus_per_node,
                                dense_grad_params=dense, expert_grad_params=expert))

@@ -44,7 +44,7 @@ from paraxis.planner.activations import (
 )
 from paraxis.planner.inputs import Workload
 from paraxis.planner.model import LayerCount, ModelCounts
-from paraxis.planner.schedule import alive_units, layout_chunks
+from paraxis.planner.schedule import alive_units, holds_ends, last_stage_alive, layout_chunks
 
 __all__ = ["BYTES_PER_PARAM", "Memory", "held_params", "layer_activation_bytes",
            "model_state_bytes", "rank_layers", "rank_memory", "shard_group_sizes"]
@@ -154,7 +154,7 @@ def held_params(counts: ModelCounts, layers: list[LayerCount], first: bool, last
     if first:
         dense += counts.embedding / t
     if last:
-        head = counts.embedding if counts.tied and p > 1 else counts.head
+        head = counts.embedding if counts.tied and not first else counts.head
         dense += head / t + counts.final
     return dense, expert
 
@@ -167,7 +167,7 @@ def rank_memory(counts: ModelCounts, layout: ParallelConfig, work: Workload,
     v, m = sched.virtual_stages, sched.microbatches
     chunks = layout_chunks(counts, layout)[rank]
     layers = rank_layers(counts, layout, rank)
-    first, last = rank == 0, rank == p - 1
+    first, last = holds_ends(sched.pipeline_schedule, p, rank)
     dense, expert = held_params(counts, layers, first, last, t, e, p, par.expert_tensor)
     # ZeRO keeps an embedding tied across pipeline stages whole, on the first and last.
     tied = counts.embedding / t if counts.tied and p > 1 and (first or last) else 0.0
@@ -210,15 +210,16 @@ def _activations(counts: ModelCounts, layout: ParallelConfig, work: Workload, ra
         per_chunk.append(moe * moe_layer + (n - moe) * dense_layer)
     # Alive units are taken from the rank's chunks in turn (warm-up runs chunk by chunk).
     acts = sum(per_chunk) / len(per_chunk) * alive
-    last_alive = alive_units(sched.pipeline_schedule, p, sched.microbatches, 1, p - 1)
+    last_alive = last_stage_alive(sched.pipeline_schedule, p, sched.microbatches)
+    last = holds_ends(sched.pipeline_schedule, p, rank)[1]
     if is_exact(counts):
         sp = par.sequence_parallel
         acts += alive * exact_stage_bytes(counts, work, t=t, sp=sp, context=c,
                                           first=rank == 0)
-        if rank == p - 1:
+        if last:
             acts += last_alive * exact_head_bytes(counts, work, t=t, sp=sp, context=c)
         return acts
-    if rank == p - 1:
+    if last:
         sbh = work.seq * work.micro_batch * counts.hidden_size
         shard = t if par.sequence_parallel else 1
         logits = 4 * work.seq * work.micro_batch * counts.vocab_size / t
