@@ -166,3 +166,19 @@ def test_calibrate_alone_writes_a_table(capsys, tmp_path, monkeypatch):
     assert "calibrated, written to" in out and json.loads(path.read_text())["gemm"]
     code, _, err = run(capsys, "--world-size", 2)
     assert code == 1 and "--model is required" in err
+
+
+def test_the_v_schedules_plan_two_chunks_with_both_ends_on_rank_zero(capsys, tiny_yaml):
+    """``--schedule zbv`` (or dualpipev) holds two chunks per rank unless told otherwise;
+    rank 0 holds the first and the last stage (embedding and head), so it is the most
+    loaded (tests/test_plan_rules.py: the pipeline axis refuses an odd count)."""
+    from paraxis.parallel.bubble import closed_form_bubble
+
+    for name in ("zbv", "dualpipev"):
+        code, out, err = run(capsys, "--model", tiny_yaml, "--pipeline", 2, "--data", 2,
+                             "--schedule", name, "--json")
+        assert code == 0, err
+        plan = json.loads(out)
+        assert plan["config"]["virtual_stages"] == 2 and plan["memory"]["stage"] == 0
+        m = plan["config"]["microbatches"]
+        assert plan["bubble"] == pytest.approx(closed_form_bubble(name, 2, m, 2).fraction)

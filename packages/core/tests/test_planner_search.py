@@ -143,3 +143,25 @@ def test_a_reason_never_contradicts_the_order():
     if ranking.seed is not None and is_tie(ranking.seed, best):
         assert "slower than #1" not in sentence
     assert "same time" not in format_ranking(ranking, world=16, top=10, hw=hw)
+
+
+def test_hsdp_keeps_the_shard_group_in_a_node_and_is_ranked():
+    """Issue 36: with ZeRO-3 over 64 data ranks on 8-GPU nodes the search tries full
+    sharding and groups of 8 data ranks (one node, zero_shard 8) and ranks them by time:
+    the shard group's gathers stay on the node's links, only the gradient shards'
+    all-reduce (1/8 of the bytes) crosses, so HSDP comes first where the nodes' links are
+    slow (100 Gb/s a GPU: full sharding's gathers no longer hide under the compute; at
+    400 Gb/s they do, and full sharding ties or wins); the replica traffic is its own row,
+    across nodes."""
+    hw = Hardware(gpus_per_node=8, device_memory=80e9, peak_flops=989e12, intra_bw=450e9,
+                  inter_bw=12.5e9)
+    work = Workload(seq=2048, global_batch=512, micro_batch=1, precision="bf16")
+    ranking = search(llama7b(), work, hw, world=64, fixed={"tensor": 1, "pipeline": 1,
+                                                          "context": 1},
+                     options={"zero": 3})
+    best = ranking.plans[0]
+    assert best.layout.parallelism.zero_shard == 8
+    links = {a.axis: a.link for a in best.comm}
+    assert links == {"data": "intra", "data_replica": "inter"}
+    full = evaluate(llama7b(), make_layout({"data": 64}, {"zero": 3}, work), work, hw)
+    assert best.step.step_s < full.step.step_s

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from paraxis.config.parallel import AXES, PIPELINE_SCHEDULES
+from paraxis.config.parallel import AXES, PIPELINE_SCHEDULES, V_SCHEDULES
 from paraxis.planner.efficiency import (
     BUILTIN,
     OVERRIDABLE,
@@ -63,6 +63,8 @@ def add_plan_parser(sub: Any) -> None:
     for axis in AXES:
         p.add_argument(f"--{axis}", type=int, help=f"{axis}-parallel degree")
     p.add_argument("--zero", type=int, choices=range(4))
+    p.add_argument("--zero-shard", type=int, help="ZeRO over groups of this many data "
+                   "ranks, replicated across them (HSDP); default: searched")
     p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction)
     p.add_argument("--expert-tensor", type=int, help="tensor ranks each expert's FFN is "
                    "split over: 1 (experts whole) or the tensor degree")
@@ -128,7 +130,8 @@ def _hardware(args: argparse.Namespace) -> Hardware:
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     opts: dict[str, Any] = {}
-    for key, name in (("zero", "zero"), ("sequence_parallel", "sequence_parallel"),
+    for key, name in (("zero", "zero"), ("zero_shard", "zero_shard"),
+                      ("sequence_parallel", "sequence_parallel"),
                       ("expert_tensor", "expert_tensor"),
                       ("recompute", "activation_checkpointing"),
                       ("schedule", "pipeline_schedule"), ("virtual_stages", "virtual_stages"),
@@ -137,6 +140,8 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
             opts[name] = getattr(args, key)
     if opts.get("virtual_stages", 1) > 1 and "pipeline_schedule" not in opts:
         opts["pipeline_schedule"] = "interleaved_1f1b"
+    if opts.get("pipeline_schedule") in V_SCHEDULES:  # a V holds two chunks per rank
+        opts.setdefault("virtual_stages", 2)
     return opts
 
 

@@ -38,6 +38,7 @@ from paraxis.planner.efficiency import Efficiency
 from paraxis.planner.inputs import Workload
 from paraxis.planner.memory import BYTES_PER_PARAM, held_params, rank_layers
 from paraxis.planner.model import LayerCount, ModelCounts
+from paraxis.planner.schedule import holds_ends
 
 __all__ = ["Compute", "optimizer_seconds", "rank_compute"]
 
@@ -178,7 +179,7 @@ def rank_compute(counts: ModelCounts, layout: ParallelConfig, work: Workload,
     total = Compute()
     for layer in rank_layers(counts, layout, rank):
         total = total + timer.layer(layer)
-    if rank == layout.parallelism.pipeline - 1:
+    if holds_ends(layout.schedule.pipeline_schedule, layout.parallelism.pipeline, rank)[1]:
         total = total + timer.head()
     return total
 
@@ -187,8 +188,9 @@ def optimizer_seconds(counts: ModelCounts, layout: ParallelConfig, work: Workloa
                       eff: Efficiency, rank: int = 0) -> float:
     """The optimizer step and gradient accumulation of pipeline rank ``rank``, per step."""
     par, p = layout.parallelism, layout.parallelism.pipeline
-    dense, expert = held_params(counts, rank_layers(counts, layout, rank), rank == 0,
-                                rank == p - 1, par.tensor, par.expert, p, par.expert_tensor)
+    first, last = holds_ends(layout.schedule.pipeline_schedule, p, rank)
+    dense, expert = held_params(counts, rank_layers(counts, layout, rank), first, last,
+                                par.tensor, par.expert, p, par.expert_tensor)
     n_dense, n_expert = layout.token_replicas, max(1, layout.token_replicas // par.expert)
     stepped = dense / n_dense + expert / n_expert if par.zero else dense + expert
     k = work.optimizer_bytes if work.optimizer_bytes is not None \

@@ -19,14 +19,14 @@ from paraxis.planner.comm import AxisComm, communication
 from paraxis.planner.inputs import Hardware, Workload
 from paraxis.planner.memory import Memory, held_params, rank_layers, rank_memory
 from paraxis.planner.model import ModelCounts
-from paraxis.planner.schedule import Bubble, bubble
+from paraxis.planner.schedule import Bubble, bubble, holds_ends
 from paraxis.planner.step import StepEstimate, estimate_step
 
 __all__ = ["OPTION_KEYS", "Plan", "evaluate", "make_layout", "problems", "unchecked_axes"]
 
 # Options beside the degrees, as ParallelConfig.from_kwargs names them.
 OPTION_KEYS = ("zero", "sequence_parallel", "activation_checkpointing", "pipeline_schedule",
-               "virtual_stages", "context_mode", "expert_tensor")
+               "virtual_stages", "context_mode", "expert_tensor", "zero_shard")
 
 
 def make_layout(degrees: dict[str, int], options: dict[str, Any], work: Workload,
@@ -103,7 +103,7 @@ class Plan:
 
     def config_dict(self) -> dict[str, Any]:
         par, sched = self.layout.parallelism, self.layout.schedule
-        return {**self.layout.degrees, "zero": par.zero,
+        return {**self.layout.degrees, "zero": par.zero, "zero_shard": par.zero_shard,
                 "sequence_parallel": par.sequence_parallel, "expert_tensor": par.expert_tensor,
                 "recompute": sched.activation_checkpointing,
                 "schedule": sched.pipeline_schedule, "virtual_stages": sched.virtual_stages,
@@ -147,8 +147,9 @@ def evaluate(counts: ModelCounts, layout: ParallelConfig, work: Workload,
     p, v = par.pipeline, sched.virtual_stages
     ranks = range(p) if every_rank else sorted({0, p - 1})
     memory = tuple(rank_memory(counts, layout, work, r) for r in ranks)
-    dense, expert = max((held_params(counts, rank_layers(counts, layout, r), r == 0,
-                                     r == p - 1, par.tensor, par.expert, p)
+    dense, expert = max((held_params(counts, rank_layers(counts, layout, r),
+                                     *holds_ends(sched.pipeline_schedule, p, r),
+                                     par.tensor, par.expert, p)
                          for r in range(p)), key=sum)  # the rank with most gradients
     comm = tuple(communication(counts, layout, work, gpus_per_node=hardware.gpus_per_node,
                                dense_grad_params=dense, expert_grad_params=expert))

@@ -50,8 +50,11 @@ def _sharded(plan: Plan) -> str:
         parts.append(f"nothing of the model state over the {replicas} data-parallel "
                      "replicas, each of which holds it whole (no ZeRO)")
     else:
-        parts.append(f"ZeRO-{par.zero} shards {zero[par.zero]} over the {replicas} "
-                     "data-parallel replicas")
+        hsdp = par.zero_shard and par.zero_shard < par.data
+        over = (f"groups of {par.zero_shard} of the {par.data} data ranks, replicated "
+                "across the groups (HSDP)") if hsdp else \
+            f"the {replicas} data-parallel replicas"
+        parts.append(f"ZeRO-{par.zero} shards {zero[par.zero]} over {over}")
     acts = {"none": "all activations are stored",
             "selective": "the attention block is recomputed instead of stored",
             "full": "only each layer's input is stored; the rest is recomputed"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from paraxis.config.parallel import Parallelism
 from paraxis.planner.evaluate import Plan
 from paraxis.planner.inputs import Hardware
 from paraxis.planner.reasons import is_tie, tie_reason, why_slower
@@ -15,6 +16,8 @@ __all__ = ["format_plan", "format_ranking"]
 def _options(plan: Plan) -> str:
     par, sched = plan.layout.parallelism, plan.layout.schedule
     parts = [f"ZeRO-{par.zero}" if par.zero else "no ZeRO"]
+    if par.zero and par.zero_shard and par.zero_shard < par.data:
+        parts[0] += f" over groups of {par.zero_shard} data ranks (HSDP)"
     if par.sequence_parallel:
         parts.append("sequence parallel")
     parts.append(f"recompute {sched.activation_checkpointing}")
@@ -131,6 +134,12 @@ def _unchecked_line(axes: tuple[str, ...]) -> str:
             f"installed (pip install {installs}); a run may refuse this layout")
 
 
+def _zero_cell(par: Parallelism) -> str:
+    """The ZeRO stage, with its shard group's data ranks under HSDP (3/8)."""
+    hsdp = par.zero and par.zero_shard and par.zero_shard < par.data
+    return f"{par.zero}/{par.zero_shard}" if hsdp else str(par.zero)
+
+
 def format_ranking(r: Ranking, *, world: int, top: int, hw: Hardware) -> str:
     keep = f" less {hw.headroom:.0%} headroom" if hw.headroom else ""
     fit = f"{len(r.plans)} fit {fmt_bytes(hw.device_memory)}{keep}" if hw.device_memory else \
@@ -153,7 +162,8 @@ def format_ranking(r: Ranking, *, world: int, top: int, hw: Hardware) -> str:
             unchecked.update(plan.unchecked)
         lines.append(
             f"  {i:>2} {d['data']:>4} {d['tensor']:>6} {d['pipeline']:>4} {d['expert']:>6} "
-            f"{d['context']:>3} {par.zero:>4} {'yes' if par.sequence_parallel else 'no':>3} "
+            f"{d['context']:>3} {_zero_cell(par):>4} "
+            f"{'yes' if par.sequence_parallel else 'no':>3} "
             f"{plan.layout.schedule.activation_checkpointing:<9} "
             f"{fmt_bytes(plan.worst.total):>10} {fmt_seconds(plan.step.step_s):>9} "
             f"{plan.step.mfu:>6.1%}  {why}".rstrip())

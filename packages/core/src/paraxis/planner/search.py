@@ -64,17 +64,32 @@ def grids(world: int, fixed: dict[str, int], *, experts: bool = True,
 
 
 def _option_sets(degrees: dict[str, int], fixed: dict[str, Any], max_zero: int = 3,
-                 ) -> Iterator[dict[str, Any]]:
-    zeros = list(range(min(max_zero, 1 if degrees["pipeline"] > 1 else 3) + 1))
+                 node: int = 8) -> Iterator[dict[str, Any]]:
+    zeros = list(range(max_zero + 1))  # every stage beside a pipeline too (issue 36)
     sps = [False, True] if degrees["tensor"] > 1 else [False]
     seen = set()
     for zero, recompute, sp in itertools.product(zeros, RECOMPUTE, sps):
-        opts = {"zero": zero, "activation_checkpointing": recompute,
-                "sequence_parallel": sp} | fixed
-        key = tuple(sorted(opts.items()))
-        if key not in seen:
-            seen.add(key)
-            yield opts
+        for shard in _zero_shards(degrees, zero, node):
+            opts = {"zero": zero, "activation_checkpointing": recompute,
+                    "sequence_parallel": sp, "zero_shard": shard} | fixed
+            key = tuple(sorted(opts.items()))
+            if key not in seen:
+                seen.add(key)
+                yield opts
+
+
+def _zero_shards(degrees: dict[str, int], zero: int, node: int) -> list[int | None]:
+    """ZeRO over every data rank (None) and, when the data axis leaves a node, over the
+    largest group of data ranks whose shard group (with the expert, context and tensor
+    ranks inside it in the mesh) fits one node (HSDP, issue 36): the reduce-scatter and
+    gathers then stay on the node's links and only the shards' all-reduce crosses."""
+    data = degrees["data"]
+    inner = degrees["expert"] * degrees["context"] * degrees["tensor"]
+    if not zero or data < 2 or data * inner <= node:
+        return [None]
+    inside = [n for n in _divisors(data) if 1 < n < data and n * inner <= node
+              and node % (n * inner) == 0]
+    return [None, *inside[-1:]]
 
 
 @dataclass(frozen=True)
@@ -92,7 +107,7 @@ def best_for_grid(counts: ModelCounts, degrees: dict[str, int], options: dict[st
     """(fastest fitting plan, smallest plan seen, whether any option set was valid)."""
     best = smallest = None
     valid = False
-    for opts in _option_sets(degrees, options, max_zero):
+    for opts in _option_sets(degrees, options, max_zero, hw.gpus_per_node):
         try:
             layout = make_layout(degrees, opts, work)
         except ValueError:

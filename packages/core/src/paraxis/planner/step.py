@@ -30,7 +30,10 @@ intra-node speed"). What each axis hides, as the engine runs it:
   accumulate under no_sync), at least the last bucket exposed; ZeRO-1/2's all-gather
   of the updated shards follows the optimizer step, exposed; ZeRO-3: each unit's
   all-gather hides under the previous unit's compute with ``zero_prefetch`` >= 1 (all
-  exposed at 0), the first exposed, the reduce-scatters under the backward but the last.
+  exposed at 0), the first exposed, the reduce-scatters under the backward but the last;
+  beside a pipeline the units are gathered once per step, under the first microbatch;
+* data_replica (HSDP's all-reduce of the gradient shards across shard groups): each
+  unit's right after its reduce-scatter, under the rest of the backward but the last.
 
 ``overlap`` (the table's) scales every hiding window: 1 on a GPU's separate
 communication engines, measured by ``--calibrate`` where compute and communication
@@ -123,8 +126,10 @@ def _calls(a: AxisComm, layout: ParallelConfig, layers: int, moe: int) -> float:
         return m * layers * (3 * (c - 1) if par.context_mode == "ring" else 8)
     if axis == "pipeline":
         return m * 2 * sched.virtual_stages
-    if par.zero == 3:  # a gather per unit forward and backward per microbatch, one scatter
-        return (layers + 2) * (2 * m + 1)
+    if axis == "data_replica":  # HSDP: the shards' gradients, bucketed
+        return max(1, math.ceil(a.bytes / (2 * par.bucket_mb * MiB)))
+    if par.zero == 3:  # a gather per unit (per microbatch and pass, once beside a pipeline)
+        return (layers + 2) * (_zero3_gathers(layout) + 1)  # and one reduce-scatter
     buckets = math.ceil(a.bytes / (2 * par.bucket_mb * MiB))  # ~2 bus bytes per byte held
     return max(1, buckets)
 
@@ -150,7 +155,7 @@ def estimate_step(counts: ModelCounts, layout: ParallelConfig, work: Workload,
     bubble_s = busy * bubble / (1.0 - bubble)
     optimizer = max(optimizer_seconds(counts, layout, work, eff, r) for r in range(p))
     step = busy + bubble_s + exposed.get("pipeline", 0.0) + exposed.get("data", 0.0) \
-        + optimizer
+        + exposed.get("data_replica", 0.0) + optimizer
     tokens = work.global_batch * work.seq
     flops = tokens * model_flops_per_token(counts, work.seq)
     detail = {"gemm": m * mb.gemm, "attention": m * mb.attention,
@@ -194,19 +199,27 @@ def _exposed(a: AxisComm, seconds: float, mb: Compute, layout: ParallelConfig,
 
 def _data_exposed(a: AxisComm, seconds: float, mb: Compute, layout: ParallelConfig,
                   work: Workload, layers: int, overlap: float) -> tuple[float, str]:
-    par, m = layout.parallelism, layout.schedule.microbatches
+    par = layout.parallelism
     g, w = work.grad_wire_bytes, work.weight_bytes
-    if par.zero == 3:
+    if a.axis == "data_replica":  # each unit's shards all-reduced after its reduce-scatter
         units = layers + 2
-        gather = seconds * 2 * m * w / (2 * m * w + g)
-        per_unit = gather / (2 * m * units)
+        return max(seconds - overlap * mb.backward, seconds / units), \
+            "each unit's shards after its reduce-scatter, under the backward but the last"
+    if par.zero == 3:
+        units, gathers = layers + 2, _zero3_gathers(layout)
+        el = work.element_size  # ZeRO-3 gathers in the compute dtype (issue 36)
+        gather = seconds * gathers * el / (gathers * el + g)
+        per_unit = gather / (gathers * units)
         scatter = (seconds - gather) / units
         if par.zero_prefetch == 0:
             return gather + scatter, "every all-gather exposed (zero_prefetch 0)"
         window = overlap * mb.total / units  # one unit's forward + backward compute
+        if gathers == 1:  # beside a pipeline: gathered once, under the first microbatch
+            return per_unit + (units - 1) * max(0.0, per_unit - window / 3) + scatter, \
+                "units gathered once per step, under the first microbatch's forward"
         forward = max(0.0, per_unit - window / 3)
         backward = max(0.0, per_unit - 2 * window / 3)
-        return per_unit + m * units * (forward + backward) + scatter, \
+        return per_unit + gathers // 2 * units * (forward + backward) + scatter, \
             "each unit's gather under the previous unit's compute (prefetch)"
     reduce = seconds if par.zero == 0 else seconds * g / (g + w)
     bucket = seconds * min(1.0, par.bucket_mb * MiB * 2 / max(a.bytes, 1.0))
@@ -215,3 +228,10 @@ def _data_exposed(a: AxisComm, seconds: float, mb: Compute, layout: ParallelConf
         return exposed, "buckets under the last microbatch's backward"
     return exposed + seconds - reduce, \
         "buckets under the last backward; the all-gather after the step exposed"
+
+
+def _zero3_gathers(layout: ParallelConfig) -> int:
+    """ZeRO-3's gathers of each unit per step: forward and backward of every microbatch,
+    or once per step beside a pipeline, which keeps its units through the schedule
+    (planner.comm, issue 36)."""
+    return 1 if layout.parallelism.pipeline > 1 else 2 * layout.schedule.microbatches
