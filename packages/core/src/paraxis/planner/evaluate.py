@@ -16,7 +16,7 @@ from paraxis.config.errors import Problem
 from paraxis.config.parallel import AXES, SAMPLE_AXES, ParallelConfig
 from paraxis.config.rules import check
 from paraxis.planner.comm import AxisComm, communication
-from paraxis.planner.inputs import DEFAULT_HARDWARE, Hardware, Workload
+from paraxis.planner.inputs import Hardware, Workload
 from paraxis.planner.memory import Memory, held_params, rank_layers, rank_memory
 from paraxis.planner.model import ModelCounts
 from paraxis.planner.schedule import Bubble, bubble, holds_ends
@@ -83,7 +83,7 @@ class Plan:
     memory: tuple[Memory, ...]  # per pipeline rank
     comm: tuple[AxisComm, ...]
     bubble: Bubble
-    step: StepEstimate  # on DEFAULT_HARDWARE's figures when hardware is not timed
+    step: StepEstimate  # speeds not given: the efficiency table's device's
     # Axes whose rules were not checked: their package is not installed.
     unchecked: tuple[str, ...] = ()
 
@@ -155,18 +155,10 @@ def evaluate(counts: ModelCounts, layout: ParallelConfig, work: Workload,
                                dense_grad_params=dense, expert_grad_params=expert))
     bub = bubble(sched.pipeline_schedule, p, sched.microbatches, v, simulate=simulate,
                  plugin_manager=plugin_manager)
-    timing = hardware if hardware.timed else _with_default_speeds(hardware)
-    step = estimate_step(counts, layout, work, list(comm), bub.fraction, timing)
+    step = estimate_step(counts, layout, work, list(comm), bub.fraction,
+                         hardware.with_device_speeds())
     return Plan(counts, layout, work, hardware, memory, comm, bub, step,
                 unchecked_axes(layout, plugin_manager))
-
-
-def _with_default_speeds(hw: Hardware) -> Hardware:
-    return Hardware(gpus_per_node=hw.gpus_per_node, device_memory=hw.device_memory,
-                    headroom=hw.headroom,
-                    peak_flops=hw.peak_flops or DEFAULT_HARDWARE.peak_flops,
-                    intra_bw=hw.intra_bw or DEFAULT_HARDWARE.intra_bw,
-                    inter_bw=hw.inter_bw or DEFAULT_HARDWARE.inter_bw)
 
 
 def world_of(degrees: dict[str, int]) -> int:

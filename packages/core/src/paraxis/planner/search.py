@@ -3,8 +3,11 @@
 For each grid (degrees whose product is the world size, any the user fixed kept), the
 options are tried from the simplest system up: ZeRO stage 0 to 3 (2 and 3 only without
 a pipeline, as validation rules), recompute none, selective, full, sequence parallelism
-off then on. The grid's entry is its fastest fitting option set; on a tie in time the
-simplest wins (the seed's bias toward the smallest system that fits the constraint).
+off then on. The grid's entry is its fastest fitting option set; on a tie in time
+(:mod:`paraxis.planner.reasons`) the simplest wins (the seed's bias toward the smallest
+system that fits the constraint). Grids are ranked by step time; grids that tie are
+ordered by what else they cost (:func:`~paraxis.planner.reasons.tie_key`). Memory is
+checked on every pipeline stage: the most loaded one is not always the first or last.
 
 The seeds' placement order (shared/seeds: "choose tensor parallelism so a layer and its
 working set fit inside a fast-link group; add pipeline stages until the model state
@@ -24,9 +27,9 @@ from paraxis.planner.evaluate import Plan, evaluate, make_layout, problems
 from paraxis.planner.inputs import Hardware, Workload
 from paraxis.planner.memory import layer_activation_bytes, model_state_bytes
 from paraxis.planner.model import ModelCounts
-from paraxis.planner.units import fmt_seconds
+from paraxis.planner.reasons import is_tie, tie_key, why_slower
 
-__all__ = ["Ranking", "grids", "search", "seed_order", "why_slower"]
+__all__ = ["Ranking", "grids", "rank_plans", "search", "seed_order", "why_slower"]
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -112,13 +115,12 @@ def best_for_grid(counts: ModelCounts, degrees: dict[str, int], options: dict[st
         if problems(counts, layout, work, plugin_manager=pm):
             continue
         valid = True
-        plan = evaluate(counts, layout, work, hw, simulate=False, every_rank=False,
-                        plugin_manager=pm)
+        plan = evaluate(counts, layout, work, hw, simulate=False, plugin_manager=pm)
         if smallest is None or plan.worst.total < smallest.worst.total:
             smallest = plan
         if plan.fits is False:
             continue
-        if best is None or plan.step.step_s < best.step.step_s * (1 - 1e-9):
+        if best is None or (plan.step.step_s < best.step.step_s and not is_tie(plan, best)):
             best = plan
     return best, smallest, valid
 
@@ -127,6 +129,10 @@ def search(counts: ModelCounts, work: Workload, hw: Hardware, *, world: int,
            fixed: dict[str, int], options: dict[str, Any], plugin_manager: Any = None,
            ) -> Ranking:
     """Rank every valid grid of ``world`` ranks that fits ``hw.usable_memory``."""
+    if plugin_manager is None:  # one for the whole search: each costs an entry-point scan
+        from paraxis.engine.plugins import make_plugin_manager
+
+        plugin_manager = make_plugin_manager()
     found: list[Plan] = []
     closest: Plan | None = None
     valid = total = 0
@@ -139,10 +145,22 @@ def search(counts: ModelCounts, work: Workload, hw: Hardware, *, world: int,
         elif smallest is not None and (closest is None
                                        or smallest.worst.total < closest.worst.total):
             closest = smallest
-    found.sort(key=lambda plan: plan.step.step_s)
+    found = rank_plans(found)
     seed = seed_order(counts, work, hw, world=world, fixed=fixed, options=options,
                       plugin_manager=plugin_manager)
     return Ranking(tuple(found), valid, total, None if found else closest, seed)
+
+
+def rank_plans(plans: list[Plan]) -> list[Plan]:
+    """By step time; a run of plans each tying the first of the run is ordered by
+    :func:`~paraxis.planner.reasons.tie_key`."""
+    rest = sorted(plans, key=lambda plan: plan.step.step_s)
+    out: list[Plan] = []
+    while rest:
+        run = [p for p in rest if is_tie(p, rest[0])]
+        out += sorted(run, key=tie_key)
+        rest = [p for p in rest if not any(p is q for q in run)]
+    return out
 
 
 def _layer_fits(counts: ModelCounts, t: int, work: Workload, hw: Hardware) -> bool:
@@ -193,24 +211,3 @@ def seed_order(counts: ModelCounts, work: Workload, hw: Hardware, *, world: int,
         if best is not None:
             return best
     return None
-
-
-def why_slower(plan: Plan, best: Plan) -> str:
-    """The biggest cause of ``plan``'s extra step time over ``best``'s, in words."""
-    mine, theirs = plan.step.components(), best.step.components()
-    diffs = {k: mine.get(k, 0.0) - theirs.get(k, 0.0) for k in set(mine) | set(theirs)}
-    cause, extra = max(diffs.items(), key=lambda kv: kv[1])
-    if extra <= 1e-3 * best.step.step_s:
-        if plan.worst.total > best.worst.total:
-            return "same time, more memory"
-        return "same time, more moving parts"
-    if cause == "recompute":
-        mode = plan.layout.schedule.activation_checkpointing
-        return f"recomputes ({mode}): +{fmt_seconds(extra)}"
-    if cause == "bubble":
-        return (f"bubble {plan.bubble.fraction:.1%} vs {best.bubble.fraction:.1%}: "
-                f"+{fmt_seconds(extra)}")
-    comm = {a.axis: a for a in plan.comm}.get(cause)
-    if comm is None:
-        return f"{cause}: +{fmt_seconds(extra)}"
-    return f"{cause} {comm.collective} over {comm.link}: +{fmt_seconds(extra)} exposed"
