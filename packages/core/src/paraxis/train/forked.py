@@ -33,7 +33,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["FORK_ENV", "fork_safe", "launch_forked", "prepare_fork"]
+__all__ = ["FORK_ENV", "fork_safe", "launch_forked", "malloc_from_environment",
+           "prepare_fork"]
 
 FORK_ENV = "PARAXIS_FORK_WORKERS"
 
@@ -74,9 +75,35 @@ def prepare_fork(warm: Callable[[], None] | None) -> None:
     gc.freeze()
 
 
+# glibc's mallopt parameters for the two variables the launcher sets (malloc.h).
+_MALLOPT = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_MMAP_THRESHOLD_": -3}
+
+
+def malloc_from_environment() -> list[str]:
+    """The ``MALLOC_*`` thresholds of this process's environment applied with mallopt;
+    the names applied. glibc reads them once, at a process's first allocation, so a
+    worker forked from the launcher (which set them for its workers after it started)
+    would keep glibc's dynamic threshold, and ZeRO-3's freed layers their pages (issue
+    36, item 5)."""
+    import ctypes
+
+    applied = []
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc: nothing to apply
+        return applied
+    for name, param in _MALLOPT.items():
+        value = os.environ.get(name)
+        if value is not None and value.isdigit() and mallopt(param, int(value)) == 1:
+            applied.append(name)
+    return applied
+
+
 def _worker(entry: Callable[[list[str]], int], argv: list[str]) -> None:
     """One forked worker: ``entry(argv)`` as a worker of the agent's world."""
     os.setsid()
+    malloc_from_environment()
     import torch
 
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))

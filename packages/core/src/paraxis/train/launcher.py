@@ -19,7 +19,9 @@ whole run and reports the outcome in a few lines.
   under ZeRO-3 over 8 ranks peaked at 0.90 of the whole fp32 model per rank, where
   model state is 0.50. A fixed threshold turns the adjustment off: blocks of 1 MiB and
   more are mapped and unmapped, and the heap is trimmed above 1 MiB free. A value
-  already in the environment is kept.
+  already in the environment is kept. glibc reads them when a process starts, so a
+  worker forked from the launcher applies them itself with mallopt
+  (:func:`paraxis.train.forked.malloc_from_environment`).
 """
 
 from __future__ import annotations
