@@ -42,6 +42,7 @@ from torch import nn
 
 from paraxis.parallel.anatomy import Anatomy, find_anatomy
 from paraxis.parallel.batch import DOC_IDS_KWARG
+from paraxis_seq.recurrent import LAYER_KINDS, recurrent_mixers, unpassable
 from paraxis_seq.ring import DROPOUT_REFUSED, ring_attention
 from paraxis_seq.ulysses import ulysses_attention
 
@@ -144,18 +145,17 @@ def interceptable(model: nn.Module, anatomy: Anatomy | None = None) -> str | Non
     if getattr(cfg, "is_encoder_decoder", False):
         return ("encoder-decoder model: cross-attention keys are the encoder's sequence, "
                 "which the context axis does not shard alike")
-    kinds = set(getattr(cfg, "layer_types", None) or ()) - _ATTENTION_LAYERS
+    # Recurrent kinds (paraxis_seq.recurrent.LAYER_KINDS) are checked module by module.
+    kinds = set(getattr(cfg, "layer_types", None) or ()) - _ATTENTION_LAYERS - LAYER_KINDS
     if kinds:
         return (f"layer types {sorted(kinds)} are not plain attention (state-space, linear "
                 "attention, convolution or chunked attention): they would see only this "
                 "rank's shard of the sequence")
     anatomy = anatomy or find_anatomy(model)
-    held = dict(model.named_modules())
-    mixers = sorted({type(held[n]).__name__ if n in held else n for n in anatomy.mixers})
-    if mixers:
-        return (f"modules {mixers} mix the sequence outside self-attention (or attend to "
-                "another sequence); they would see only this rank's shard")
-    if not anatomy.has_attention:
+    reason = unpassable(model, anatomy)  # a recurrence whose state cannot be passed
+    if reason is not None:
+        return reason
+    if not anatomy.has_attention and not recurrent_mixers(anatomy):
         return "no attention module found: the model mixes the sequence some other way"
     if getattr(cfg, "attn_logit_softcapping", None) is not None:
         return "context-parallel attention: " + _UNSUPPORTED_KWARGS["softcap"]
