@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-__all__ = ["LocalAdamW"]
+__all__ = ["LocalAdamW", "local_grad"]
 
 
-def _local_grad(p: torch.Tensor) -> torch.Tensor:
+def local_grad(p: torch.Tensor) -> torch.Tensor:
     """This rank's gradient laid out as its parameter (a gradient that comes back in
     another placement, a Replicate embedding gradient of a Shard(0) weight or a
     Partial one, is redistributed first: the peer's own communication)."""
@@ -69,7 +69,7 @@ class LocalAdamW:
 
     def step(self, max_norm: float) -> torch.Tensor:
         """Clip to ``max_norm`` (0: no clipping) and step; returns the norm before."""
-        grads = [_local_grad(p) for p in self.params]
+        grads = [local_grad(p) for p in self.params]
         zero = torch.zeros((), dtype=torch.float32)
         split = [g for g, s in zip(grads, self.sharded, strict=True) if s]
         whole = [g for g, s in zip(grads, self.sharded, strict=True) if not s]

@@ -20,6 +20,7 @@ from common import (
     summary,
     write_section,
 )
+from local_step import local_grad
 from torch.distributed.tensor import DTensor
 
 import paraxis
@@ -61,7 +62,7 @@ def transformers_tp_ep(args: argparse.Namespace, world: int, *, fsdp: bool):
         opt.zero_grad(set_to_none=True)
         out = model(input_ids=ids, labels=ids, output_router_logits=True, use_cache=False)
         out.loss.backward()
-        grads = [shard_of(p) for p in params]
+        grads = [local_grad(p) for p in params]
         if dp_group is not None:
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=dp_group)
@@ -76,17 +77,6 @@ def transformers_tp_ep(args: argparse.Namespace, world: int, *, fsdp: bool):
         return lm.detach(), out.loss.detach(), norm
 
     return step
-
-
-def shard_of(p) -> torch.Tensor:
-    """This rank's gradient laid out as its parameter (the embedding's comes back
-    Replicate while the weight is Shard(0): a local slice, no communication)."""
-    g = p.grad
-    if not isinstance(g, DTensor):
-        return g
-    if g.placements != p.placements:
-        g = g.redistribute(p.device_mesh, p.placements)
-    return g.to_local()
 
 
 def clip(params, grads, group) -> torch.Tensor:

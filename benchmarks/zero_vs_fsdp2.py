@@ -17,7 +17,7 @@ Exposed data-axis time is measured the same way for both: a variant's median ste
 the median step of the same model unsharded on one rank's batch ("compute only": no
 collective at all, an optimizer over the whole model rather than half of it, so the
 figure leans low by half an AdamW step, measured and printed). paraxis's own counter
-(``comm/dataxexpertxcontext_exposed_s``, the time its ranks block on the data axis) is
+(``comm/replicas_exposed_s``, the time its ranks block on the data axis) is
 reported beside it. paraxis's bytes per step per rank are reported against ZeRO's
 3Ψ(N-1)/N (all-gather in forward and in backward, reduce-scatter of gradients).
 """
@@ -46,6 +46,10 @@ from torch.distributed.fsdp import fully_shard
 
 import paraxis
 from paraxis import shutdown
+
+# The groups over the data axis (issue 38's names: data, and the replica groups
+# data x expert x context, data x context and with tensor the sequence shards).
+DATA_SIDE = ("comm/data", "comm/replicas", "comm/expert_replicas", "comm/sequence_shards")
 
 
 def fsdp2_model(args, mesh) -> torch.nn.Module:
@@ -97,10 +101,10 @@ def main() -> None:
         def step() -> None:
             metrics = engines[k].train_step(batch())
             counted[k].append(sum(v for n, v in metrics.items()
-                                  if n.startswith("comm/data") and n.endswith("_exposed_s")))
+                                  if n.startswith(DATA_SIDE) and n.endswith("_exposed_s")))
             if k == 1:
                 bytes_per_step.append(sum(v for n, v in metrics.items()
-                                          if n.startswith("comm/data")
+                                          if n.startswith(DATA_SIDE)
                                           and n.endswith("_bytes")))
         return step
 

@@ -54,6 +54,12 @@ def lr_run(steps, ckpt, exit_after=None, reschedule=False):
     return [m["lr"] for m in history], out.getvalue()
 
 
+def schedule_said(out):
+    """What the resume line (issue 38) says of the lr schedule: its last part."""
+    return [ln[ln.index("lr schedule"):] for ln in out.splitlines()
+            if ln.startswith("resumed from")]
+
+
 def cosine_lrs(total, first, last):
     """The schedule a run of ``total`` steps would have, steps ``first`` to ``last``."""
     from paraxis.engine.optim import WarmupCosine
@@ -83,13 +89,13 @@ def test_a_resume_with_more_steps_keeps_the_schedule_unless_told_and_says_so(tmp
     kept, said = worlds.run(1, lr_run, 20, str(ckpt))[0]
     assert kept == cosine_lrs(12, 6, 12) + [5e-3 * 0.1] * 8
     assert kept[0] < first[-1]  # no jump: the rate goes on down
-    lines = [ln for ln in said.splitlines() if ln.startswith("lr schedule")]
+    lines = schedule_said(said)
     assert lines == ["lr schedule: kept the checkpoint's horizon (warmup 3, cosine to step "
                      f"12) though train.steps is 20: lr {kept[0]:.2e} at step 6; "
                      "train.reschedule: true re-spreads it over 20"], said
     spread, said = worlds.run(1, lr_run, 20, str(tmp_path / "again"), None, True)[0]
     assert spread == cosine_lrs(20, 6, 20) and spread[0] > first[-1]
-    assert [ln for ln in said.splitlines() if ln.startswith("lr schedule")] == [
+    assert schedule_said(said) == [
         "lr schedule re-spread from step 6 over train.steps = 20 (the checkpoint's ran to "
         f"12; train.reschedule: true): lr {kept[0]:.2e} -> {spread[0]:.2e}"], said
 
@@ -101,8 +107,10 @@ def test_checkpoint_directory_format(tmp_path):
     step_dir = ckpt / "step-00000003"
     assert sorted(p.name for p in step_dir.iterdir()) == [
         "index.json", "rank00000.safetensors", "rank00001.safetensors"]
-    # The atomic write left nothing else behind (no .tmp-, .old- or .part files).
-    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-00000003"]
+    # The atomic write left nothing else behind (no .tmp-, .old- or .part files); the
+    # run's metrics.jsonl lives beside its checkpoints (issue 38).
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "metrics.jsonl",
+                                                      "step-00000003"]
     index = json.loads((step_dir / "index.json").read_text())
     assert index["format_version"] == 4 and index["step"] == 3
     assert set(index["files"]) == {"rank00000.safetensors", "rank00001.safetensors"}

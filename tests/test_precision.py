@@ -25,6 +25,10 @@ from paraxis.testing.parity import local_shards
 from paraxis.testing.tolerance import BF16_RTOL
 from paraxis_hf import build_debug_model
 
+# The groups over the data axis (issue 38's names: data, and the replica groups
+# data x expert x context, data x context and with tensor the sequence shards).
+DATA_SIDE = ("comm/data", "comm/replicas", "comm/expert_replicas", "comm/sequence_shards")
+
 # ---- fp16 loss scaling ------------------------------------------------------------------
 
 FP16 = {"steps": 8, "lr": 1e-3, "warmup_steps": 4, "seq_length": 16, "precision": "fp16",
@@ -117,7 +121,7 @@ def data_bytes(reduce_dtype):
     ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
     out = [engine.train_step({"input_ids": ids, "labels": ids}) for _ in range(2)]
     engine.close()
-    on_data = [sum(v for k, v in m.items() if k.startswith("comm/data")) for m in out]
+    on_data = [sum(v for k, v in m.items() if k.startswith(DATA_SIDE)) for m in out]
     return on_data, [m["loss"] for m in out]
 
 

@@ -166,11 +166,12 @@ def test_parallelize_refuses_before_any_process_group():
     transformers = pytest.importorskip("transformers")
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    with torch.device("meta"):
-        bloom = AutoModelForCausalLM.from_config(AutoConfig.for_model(
-            "bloom", hidden_size=16, n_head=2, n_layer=1, vocab_size=32))
+    with torch.device("meta"):  # Falcon's ALiBi variant: inline attention, refused
+        falcon = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+            "falcon", hidden_size=16, num_attention_heads=2, num_hidden_layers=1,
+            vocab_size=32, alibi=True))
     with pytest.raises(ConfigError) as err:
-        paraxis.parallelize(bloom, context=4, context_mode="ulysses",
+        paraxis.parallelize(falcon, context=4, context_mode="ulysses",
                             train={"seq_length": 18})
     text = str(err.value)
     for part in ("world_size", "computes attention inline", "model.seq_length = 18",

@@ -53,6 +53,18 @@ DEBUG_CONFIGS: dict[str, dict[str, object]] = {
     "gpt_neox": {k: v for k, v in _DECODER.items() if k != "num_key_value_heads"},
     "gemma2": {**_DECODER, **_TOKENS, "head_dim": 8, "sliding_window": 8,
                "query_pre_attn_scalar": 8},
+    # Attention variants under context parallelism (issue 35): sinks with a sliding
+    # window (gpt-oss: yarn rope as shipped, its original length shrunk with the model);
+    # chunked attention and a NoPE layer with temperature tuning (Llama 4).
+    "gpt_oss": {**_DECODER, "head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2,
+                "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+                "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                    "beta_slow": 1.0, "truncate": False, "rope_theta": 1.5e5,
+                                    "original_max_position_embeddings": 16}},
+    "llama4_text": {**_DECODER, "head_dim": 8, "intermediate_size_mlp": 64,
+                    "num_local_experts": 4, "num_experts_per_tok": 2, "moe_layers": [0, 1],
+                    "no_rope_layers": [1, 0], "attention_chunk_size": 8,
+                    "layer_types": ["chunked_attention", "full_attention"]},
     # Recurrent layers (issue 35, context parallelism passing their state): Bamba, a
     # Mamba-2 layer then attention; Nemotron-H, Mamba-2, MoE, attention and MLP layers;
     # Qwen3-Next, the gated delta rule then attention, MoE; Mamba, a pure Mamba-1 SSM.

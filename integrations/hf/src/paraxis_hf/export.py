@@ -9,6 +9,15 @@ their size. The model is rebuilt from the config the checkpoint recorded, loaded
 embedding tied to the head is stored once and tied again by the model) and written by
 transformers' own ``save_pretrained``: config, generation config, safetensors, and a
 sharded index above ``max_shard_size``.
+
+The run's tokenizer goes with it (issue 34): when the checkpoint's run config names a
+tokenizer directory (``data.tokenizer``, or ``--tokenizer``), it is saved into ``out``
+and the config's and generation config's ``bos/eos/pad_token_id`` are set from it, so
+``generate`` stops at the EOS the run trained on (a config built from Llama's defaults
+says 1 and 2 whatever the tokenizer). A run on ``bytes`` has no tokenizer to copy; its
+documents ended with byte 0, which becomes the EOS (no BOS, no pad). The tokenizer step
+(:func:`token_source`, :func:`set_token_ids`, :func:`write_tokenizer`) is shared by any
+other writer of a run's weights (a LoRA adapter directory, ``--adapter``, later).
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +35,10 @@ from torch import nn
 from paraxis.checkpoint.files import CheckpointError
 from paraxis.checkpoint.read import read_model_tensors
 
-__all__ = ["add_export_command", "export_hf"]
+__all__ = ["TokenSource", "add_export_command", "export_hf", "set_token_ids", "token_source",
+           "write_tokenizer"]
+
+_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 _PART = re.compile(r"^(.*)#part(\d+)$")
 
@@ -65,10 +78,56 @@ def _model_from(index: dict[str, Any], ckpt: str) -> nn.Module:
     return AutoModelForCausalLM.from_config(config)
 
 
+@dataclass(frozen=True)
+class TokenSource:
+    """The tokenizer an export writes: its directory (None: nothing to copy), the token
+    ids the model's configs take from it, and a note when it could not be found."""
+
+    directory: Path | None
+    ids: dict[str, int | None] | None
+    note: str | None = None
+
+
+def token_source(index: dict[str, Any], tokenizer: str | None = None) -> TokenSource:
+    """What the run tokenized with: ``tokenizer`` when given, else the checkpoint's
+    ``data.tokenizer`` (absent from checkpoints of ``paraxis.parallelize`` calls)."""
+    name = tokenizer or (index.get("parallel_config") or {}).get("data", {}).get("tokenizer")
+    if name is None:
+        return TokenSource(None, None)
+    if name == "bytes":  # documents were joined by byte 0 (paraxis.train.tokenize)
+        return TokenSource(None, {"bos_token_id": None, "eos_token_id": 0,
+                                  "pad_token_id": None})
+    if not Path(name).is_dir():
+        return TokenSource(None, None, f"the run's tokenizer {name} is not a directory "
+                           "here: no tokenizer written and the token ids are the model "
+                           "config's (give --tokenizer DIR)")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(name, local_files_only=True)
+    return TokenSource(Path(name), {key: getattr(tok, key) for key in _IDS})
+
+
+def set_token_ids(model: nn.Module, source: TokenSource) -> None:
+    """The tokenizer's ids into the model's config and generation config."""
+    for key, value in (source.ids or {}).items():
+        setattr(model.config, key, value)
+        if getattr(model, "generation_config", None) is not None:
+            setattr(model.generation_config, key, value)
+
+
+def write_tokenizer(source: TokenSource, out: str | Path) -> None:
+    if source.directory is not None:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(str(source.directory),
+                                      local_files_only=True).save_pretrained(str(out))
+
+
 def export_hf(ckpt: str | Path, out: str | Path, *, max_shard_size: str | int = "2GB",
-              verify: bool = True) -> Path:
+              verify: bool = True, tokenizer: str | None = None) -> tuple[Path, TokenSource]:
     """Write checkpoint ``ckpt`` (a step directory, or its parent with ``latest``) as a
-    ``save_pretrained`` directory ``out``; returns ``out``."""
+    ``save_pretrained`` directory ``out`` with the run's tokenizer (``tokenizer``
+    overrides the one the run named); returns ``out`` and what was written of it."""
     index, tensors = read_model_tensors(ckpt, verify=verify)
     model = _model_from(index, str(ckpt))
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
@@ -85,19 +144,27 @@ def export_hf(ckpt: str | Path, out: str | Path, *, max_shard_size: str | int = 
                 raise CheckpointError(f"{ckpt}: {name} has shape {list(t.shape)}, the "
                                       f"model's is {list(shapes[name])}")
             params[name].copy_(t)
+    source = token_source(index, tokenizer)
+    set_token_ids(model, source)
     model.save_pretrained(str(out), max_shard_size=max_shard_size)
-    return Path(out)
+    write_tokenizer(source, out)
+    return Path(out), source
 
 
 def _cmd(args: argparse.Namespace) -> int:
     """Write a checkpoint as a Hugging Face save_pretrained directory."""
     try:
-        path = export_hf(args.ckpt, args.out, max_shard_size=args.max_shard_size,
-                         verify=not args.no_verify)
-    except CheckpointError as exc:
+        path, source = export_hf(args.ckpt, args.out, max_shard_size=args.max_shard_size,
+                                 verify=not args.no_verify, tokenizer=args.tokenizer)
+    except (CheckpointError, OSError) as exc:
         print(f"paraxis checkpoint export-hf: {exc}", file=sys.stderr)
         return 1
-    print(f"wrote {path} (AutoModelForCausalLM.from_pretrained({str(path)!r}))")
+    if source.note:
+        print(f"paraxis checkpoint export-hf: warning: {source.note}", file=sys.stderr)
+    ids = ", ".join(f"{k.removesuffix('_token_id')} {v}" for k, v in (source.ids or {}).items())
+    with_tok = f" with its tokenizer ({ids})" if source.directory else \
+        f" (token ids: {ids})" if ids else ""
+    print(f"wrote {path}{with_tok} (AutoModelForCausalLM.from_pretrained({str(path)!r}))")
     return 0
 
 
@@ -110,4 +177,7 @@ def add_export_command(verbs: Any) -> None:
                           "(default 2GB)")
     cmd.add_argument("--no-verify", action="store_true",
                      help="skip the SHA-256 check of the checkpoint's files")
+    cmd.add_argument("--tokenizer", default=None,
+                     help="the tokenizer directory to write with it (default: the run's "
+                          "data.tokenizer, when it is a directory)")
     cmd.set_defaults(func=_cmd)

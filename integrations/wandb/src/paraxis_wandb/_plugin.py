@@ -1,6 +1,7 @@
-"""Entry point of paraxis-wandb in the ``paraxis`` plugin group.
+"""Entry point of paraxis-wandb in the ``paraxis`` plugin group: a W&B run as one of
+the run's metric sinks (``paraxis_metric_sinks``).
 
-The logger is per process; the trainer calls these hooks on the logging rank only.
+The trainer asks on the logging rank only; the other ranks never open a W&B run.
 """
 
 from __future__ import annotations
@@ -10,24 +11,10 @@ from typing import Any
 from paraxis.parallel.hookspecs import hookimpl
 from paraxis_wandb.logger import WandbLogger
 
-_logger = WandbLogger()
-
 
 @hookimpl
-def paraxis_log_start(config: Any, grid: dict[str, Any]) -> None:
-    _logger.start(config, grid)
-
-
-@hookimpl
-def paraxis_log_metrics(step: int, metrics: dict[str, float]) -> None:
-    _logger.metrics(step, metrics)
-
-
-@hookimpl
-def paraxis_log_figure(name: str, svg: str, step: int) -> None:
-    _logger.figure(name, svg, step)
-
-
-@hookimpl
-def paraxis_log_end(summary: dict[str, float]) -> None:
-    _logger.end(summary)
+def paraxis_metric_sinks(config: Any, directory: str) -> list[WandbLogger] | None:
+    section = getattr(config, "logging", None)
+    if section is not None and not section.wandb:
+        return None
+    return [WandbLogger()]

@@ -1,15 +1,17 @@
-"""The W&B logger: opens a run on the logging rank, never lets W&B stop training."""
+"""The W&B sink: opens a run on the logging rank, never lets W&B stop training."""
 
 from __future__ import annotations
 
 import logging
 import os
 import secrets
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from paraxis.parallel.metric_names import moe_total
-from paraxis_wandb.moe import heatmap_svg, split_moe_arrays, table_rows
+from paraxis.parallel.metric_names import moe_arrays, moe_total
+from paraxis.parallel.sink import MetricSink
+from paraxis_wandb.moe import heatmap_svg, table_rows
 
 __all__ = ["WandbLogger"]
 
@@ -41,15 +43,18 @@ def _resumable(config: Any) -> dict[str, Any]:
     return {"id": run_id, "resume": "allow"}
 
 
-class WandbLogger:
-    """One W&B run per training run. Every call swallows W&B's failures: a run that
-    cannot log keeps training and says so once."""
+class WandbLogger(MetricSink):
+    """One W&B run per training run, a metric sink (:class:`paraxis.parallel.sink.MetricSink`).
+    Every call swallows W&B's failures: a run that cannot log keeps training and says so
+    once."""
+
+    name = "wandb"
 
     def __init__(self, init_timeout_s: float = 30.0):
         self.run: Any = None
         self.init_timeout_s = init_timeout_s
 
-    def start(self, config: Any, grid: dict[str, Any]) -> None:
+    def start(self, config: Any, grid: dict[str, Any], first_step: int = 0) -> None:
         section = getattr(config, "logging", None)
         if section is not None and not section.wandb:
             return
@@ -76,7 +81,7 @@ class WandbLogger:
         picture ``moe/load_heatmap`` (:mod:`paraxis_wandb.moe`)."""
         if self.run is None:
             return
-        scalars, arrays = split_moe_arrays(metrics)
+        scalars, arrays = moe_arrays(metrics)
         try:
             payload: dict[str, Any] = dict(scalars)
             if arrays:
@@ -105,12 +110,18 @@ class WandbLogger:
         except Exception as exc:
             log.warning("W&B figure %s not logged: %s", name, exc)
 
-    def end(self, summary: dict[str, float]) -> None:
+    def end(self, summary: dict[str, float] | None,
+            rows: Sequence[tuple[str, str]] = ()) -> None:
+        """The summary into the run's summary, then finish; a failed run (no summary)
+        finishes with exit code 1, so W&B shows it failed."""
         if self.run is None:
             return
         try:
-            self.run.summary.update(dict(summary))
-            self.run.finish()
+            if summary is None:
+                self.run.finish(exit_code=1)
+            else:
+                self.run.summary.update(dict(summary))
+                self.run.finish()
         except Exception as exc:
             log.warning("W&B finish failed: %s", exc)
         self.run = None

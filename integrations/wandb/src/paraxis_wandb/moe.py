@@ -10,38 +10,22 @@ needs no MoE package.
 from __future__ import annotations
 
 import html
-import re
 from typing import Any
 
-from paraxis.parallel.metric_names import MOE_ARRAY_KINDS, parse_moe_array
+from paraxis.parallel.metric_names import MOE_ARRAY_KINDS, MoeArrays, moe_arrays
 
 __all__ = ["KINDS", "heatmap_svg", "split_moe_arrays"]
 
 # The per-expert columns of the table (the histogram bins are not experts).
 KINDS = tuple(k for k in MOE_ARRAY_KINDS if k != "prob_hist")
 
-Arrays = dict[str, dict[str, list[float]]]
-
-
-def _layer_key(name: str) -> tuple[Any, ...]:
-    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
+Arrays = MoeArrays
 
 
 def split_moe_arrays(metrics: dict[str, float]) -> tuple[dict[str, float], Arrays]:
-    """(the scalar metrics, {block: {kind: values by expert (or bin)}}), blocks in layer
-    order."""
-    scalars: dict[str, float] = {}
-    arrays: Arrays = {}
-    for key, value in metrics.items():
-        hit = parse_moe_array(key)
-        if hit is None:
-            scalars[key] = value
-            continue
-        values = arrays.setdefault(hit.block, {}).setdefault(hit.kind, [])
-        index = hit.index
-        values.extend([0.0] * (index + 1 - len(values)))
-        values[index] = float(value)
-    return scalars, {b: arrays[b] for b in sorted(arrays, key=_layer_key)}
+    """(the scalar metrics, {block: {kind: values by expert (or bin)}}): core's
+    :func:`paraxis.parallel.metric_names.moe_arrays`, which every sink reads alike."""
+    return moe_arrays(metrics)
 
 
 def table_rows(arrays: Arrays) -> tuple[list[str], list[list[Any]]]:

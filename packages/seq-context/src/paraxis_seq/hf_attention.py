@@ -18,17 +18,28 @@ model is called with each rank's true ``position_ids`` (the batch transform pass
 Padding and packed documents reach the kernels as per-token document ids (the
 ``paraxis_doc_ids`` keyword, which transformers passes on to the attention function
 like any extra keyword): a query attends a key only in its own document, never a pad.
+The variants a call carries reach the kernels too (:mod:`paraxis_seq.variant`):
+``softcap=`` (Gemma 2, VaultGemma), ``s_aux=`` sinks (gpt-oss, MiMo-V2-Flash, Flint,
+Granite-SWA), and a ``chunked_attention`` layer's chunk, which transformers applies
+through its mask and the function reads from the module's config
+(:func:`paraxis_seq.hf_adapters.chunk_of`, Llama 4); what a family computes around the
+call from shard-local positions is corrected by its adapter
+(:data:`paraxis_seq.hf_adapters.ADAPTERS`).
 
-What cannot be intercepted (:func:`interceptable` says which and why): families whose
-attention modules compute attention inline (transformers' own test,
-``_can_set_attn_implementation``: bloom, falcon, mpt, gpt_neo, openai-gpt, xglm, rwkv,
-...); layers that mix the sequence without attention (Mamba, linear attention, short
-convolutions, recurrences: jamba, bamba, zamba, nemotron_h, qwen3_next, falcon_mamba,
-xlstm, ...), which would see only a rank's shard; cross-attention (encoder-decoders,
-blt, mllama); and attention variants the kernel does not have: logit soft-capping
-(gemma2), attention sinks (gpt_oss), chunked attention (llama4), attention dropout
-(gpt2, bert: set the dropout to 0 to train context parallel); multimodal models, whose
-vision or audio towers would get the same attention on unsharded inputs. The structural checks read
+Families whose attention modules compute attention inline (transformers' own test,
+``_can_set_attn_implementation``: bloom, falcon, mpt, gpt_neo, openai-gpt, xglm, ...)
+are routed to the same function by a per-family adapter where their arithmetic is
+standard (:mod:`paraxis_seq.hf_inline`, one table).
+
+What cannot be intercepted (:func:`interceptable` says which and why): inline attention
+without an adapter (cpmant's position bias, reformer's LSH, rwkv's recurrence, ...,
+each named in the table); layers that mix the sequence without attention (Mamba,
+linear attention, short convolutions, recurrences: jamba, bamba, zamba, nemotron_h,
+qwen3_next, falcon_mamba, xlstm, ...), which would see only a rank's shard;
+cross-attention (encoder-decoders, blt, mllama); what the kernels do not have: an
+additive position bias (T5-style), attention dropout (gpt2, bert: set the dropout to 0
+to train context parallel); multimodal models, whose vision or audio towers would get
+the same attention on unsharded inputs. The structural checks read
 config fields and module class names: they are a conservative heuristic, not a proof.
 """
 
@@ -42,9 +53,12 @@ from torch import nn
 
 from paraxis.parallel.anatomy import Anatomy, find_anatomy
 from paraxis.parallel.batch import DOC_IDS_KWARG
+from paraxis_seq.hf_adapters import adapter_of, chunk_of
+from paraxis_seq.hf_inline import inline_reason, install_inline
 from paraxis_seq.recurrent import LAYER_KINDS, recurrent_mixers, unpassable
 from paraxis_seq.ring import DROPOUT_REFUSED, ring_attention
 from paraxis_seq.ulysses import ulysses_attention
+from paraxis_seq.zigzag import positions
 
 __all__ = ["MODES", "attention_function", "interceptable", "use_context_attention"]
 
@@ -53,20 +67,41 @@ MODES: tuple[str, ...] = ("ring", "ulysses")
 # Keywords an attention call may carry that change the math in ways the kernels here do
 # not implement, with the reason (the name transformers uses -> why).
 _UNSUPPORTED_KWARGS: dict[str, str] = {
-    "softcap": "attention logit soft-capping (Gemma 2) is not implemented in the ring "
-               "kernel's per-block softmax",
-    "s_aux": "attention sinks (gpt-oss) add a per-head logit to every row's normalizer; "
-             "not implemented",
-    "sinks": "attention sinks add a per-head logit to every row's normalizer; not "
-             "implemented",
+    "sinks": "a sinks= keyword (Inkling 2) is not gpt-oss' s_aux, whose arithmetic the "
+             "kernels implement; not checked to be the same",
     "position_bias": "an additive position bias (T5, MPNet) is a (s, s) tensor over the "
                      "whole sequence; not implemented",
     "cu_seq_lens_q": "flash-attention's varlen lengths describe the whole sequence, not "
                      "a rank's shard: pass packed documents as position_ids (paraxis "
                      "turns them into document ids)",
+    "indices": "a top-k selection of keys (DeepSeek's DSA indexer) made from this rank's "
+               "shard of the keys",
 }
-# Layer kinds of config.layer_types that are plain attention.
-_ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})
+# Sparse attention whose keys are chosen or pooled inside the attention module, before
+# any attention function is called (issue 35, item 4), with why neither mode serves it.
+_SPARSE_LAYERS: dict[str, str] = {
+    "indexed_attention": (
+        "DeepSeek's sparse attention indexer picks each query's top-k keys inside the "
+        "attention module, from the keys of the hidden states the module is given (a "
+        "rank's shard) and a whole-sequence mask transformers does not build for a "
+        "context-parallel implementation, before any attention function is called. Its "
+        "score sums over all of the indexer's own heads, so Ulysses' head split (which "
+        "happens after the module's projections) does not give a head group the whole "
+        "sequence's selection either; the selection would have to be made from every "
+        "rank's indexer keys, which transformers' module does not let a function do"),
+    "compressed_sparse_attention": (
+        "DeepSeek-V4's compressors pool keys and values over blocks of the sequence "
+        "inside the attention module, from the hidden states it is given (a rank's "
+        "shard), before any attention function is called"),
+}
+_SPARSE_LAYERS["heavily_compressed_attention"] = _SPARSE_LAYERS["compressed_sparse_attention"]
+# Layer kinds of config.layer_types that are softmax attention the kernels compute
+# (chunked: Llama 4's, the chunk from the config, paraxis_seq.hf_adapters.chunk_of).
+_ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+# The keywords of transformers' attention call that the kernels take: the name -> the
+# kernel's keyword (soft-capping, Gemma 2; sinks, gpt-oss' s_aux: paraxis_seq.variant;
+# ALiBi's slopes, from the inline adapters of BLOOM and MPT: paraxis_seq.hf_inline).
+_VARIANT_KWARGS = {"softcap": "softcap", "s_aux": "sinks", "alibi": "alibi"}
 _DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
 
 
@@ -88,6 +123,7 @@ def attention_function(group: Any, *, mode: str = "ring", layout: str = "zigzag"
                           sliding_window: int | None = None, is_causal: bool | None = None,
                           **kwargs: Any) -> tuple[torch.Tensor, None]:
         docs = kwargs.pop(DOC_IDS_KWARG, None)
+        variant = {ours: kwargs.pop(theirs, None) for theirs, ours in _VARIANT_KWARGS.items()}
         _refuse_call(attention_mask, kwargs)
         if docs is None and documents is not None and documents.expected:
             raise ValueError(
@@ -96,9 +132,15 @@ def attention_function(group: Any, *, mode: str = "ring", layout: str = "zigzag"
                 "so context parallelism cannot mask its padding or packed documents; "
                 "train it without padding and packing, or without the context axis")
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        adapter = adapter_of(module)
+        if adapter is not None and adapter.queries is not None:
+            here = query.shape[2]
+            query = adapter.queries(module, query, torch.arange(here), positions(
+                here * group.size, group.size, group.rank, layout))
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
         common = dict(group=group, causal=bool(causal), scale=scaling,
-                      window=sliding_window, layout=layout, dropout=dropout, documents=docs)
+                      window=sliding_window, layout=layout, dropout=dropout, documents=docs,
+                      chunk=chunk_of(module), **variant)
         if mode == "ring":
             out = ring_attention(q, k, v, **common)
         else:
@@ -131,13 +173,12 @@ def interceptable(model: nn.Module, anatomy: Anatomy | None = None) -> str | Non
     if not isinstance(model, PreTrainedModel):
         return (f"{type(model).__name__} is not a transformers PreTrainedModel; call "
                 "paraxis_seq.ring_attention or ulysses_attention from its attention")
-    for m in model.modules():
-        if isinstance(m, PreTrainedModel) and not type(m)._can_set_attn_implementation():
-            return (f"{type(m).__name__} computes attention inline instead of calling "
-                    "transformers' attention interface (ALL_ATTENTION_FUNCTIONS), so no "
-                    "registered function can reach it")
+    for m in _inline_models(model):
+        reason = inline_reason(m)
+        if reason is not None:
+            return reason
     cfg = model.config
-    others = sorted(k for k in getattr(cfg, "sub_configs", {}) if k != "text_config")
+    others = _sub_models(cfg)
     if others:
         return (f"sub-models {others} would run the context-parallel attention on inputs "
                 "that are not sequence-sharded (image patches, audio frames); parallelize "
@@ -145,6 +186,9 @@ def interceptable(model: nn.Module, anatomy: Anatomy | None = None) -> str | Non
     if getattr(cfg, "is_encoder_decoder", False):
         return ("encoder-decoder model: cross-attention keys are the encoder's sequence, "
                 "which the context axis does not shard alike")
+    sparse = sorted(set(getattr(cfg, "layer_types", None) or ()) & set(_SPARSE_LAYERS))
+    if sparse:
+        return f"layer types {sparse}: " + _SPARSE_LAYERS[sparse[0]]
     # Recurrent kinds (paraxis_seq.recurrent.LAYER_KINDS) are checked module by module.
     kinds = set(getattr(cfg, "layer_types", None) or ()) - _ATTENTION_LAYERS - LAYER_KINDS
     if kinds:
@@ -157,13 +201,51 @@ def interceptable(model: nn.Module, anatomy: Anatomy | None = None) -> str | Non
         return reason
     if not anatomy.has_attention and not recurrent_mixers(anatomy):
         return "no attention module found: the model mixes the sequence some other way"
-    if getattr(cfg, "attn_logit_softcapping", None) is not None:
-        return "context-parallel attention: " + _UNSUPPORTED_KWARGS["softcap"]
-    if any(name.rsplit(".", 1)[-1] == "sinks" for name, _ in model.named_parameters()):
-        return "context-parallel attention: " + _UNSUPPORTED_KWARGS["s_aux"]
+    unchunked = _chunked_layers_unknown(model, anatomy)
+    if unchunked:
+        return unchunked
     for field in _DROPOUT_FIELDS:
         if getattr(cfg, field, 0) or 0:
             return f"config.{field}={getattr(cfg, field)}: " + DROPOUT_REFUSED
+    return None
+
+
+def _sub_models(cfg: Any) -> list[str]:
+    """The sub-configs of ``cfg`` that configure another model (a vision or audio tower,
+    BLT's byte encoders), not the text model: a sub-config of the model's own
+    configuration module without a model type of its own (MPT's attention settings)
+    configures a part of it."""
+    return sorted(k for k, sub in getattr(cfg, "sub_configs", {}).items()
+                  if k != "text_config" and not (
+                      getattr(sub, "model_type", None) == ""
+                      and getattr(sub, "__module__", None) == type(cfg).__module__))
+
+
+def _inline_models(model: nn.Module) -> list[nn.Module]:
+    """The transformers models in ``model`` whose attention is written inline (they
+    cannot select an attention implementation: transformers' own test)."""
+    from transformers import PreTrainedModel
+
+    return [m for m in model.modules() if isinstance(m, PreTrainedModel)
+            and not type(m)._can_set_attn_implementation()]
+
+
+def _chunked_layers_unknown(model: nn.Module, anatomy: Anatomy) -> str | None:
+    """Why a ``chunked_attention`` layer's attention would not learn its chunk (it reads
+    the chunk from its own ``config`` and ``layer_idx``); None when every one does."""
+    kinds = list(getattr(model.config, "layer_types", None) or ())
+    for index in range(min(len(kinds), anatomy.num_layers)):
+        if kinds[index] != "chunked_attention":
+            continue
+        for name in anatomy.sequence_mixers_of(index):
+            try:
+                module = model.get_submodule(name)
+            except AttributeError:  # a pipeline stage's stand-in for another's layer
+                continue
+            if chunk_of(module) is None:
+                return (f"layer {index} is chunked_attention, but its attention "
+                        f"{type(module).__name__} does not carry its layer_idx and config, "
+                        "from which its chunk is read")
     return None
 
 
@@ -183,8 +265,11 @@ def use_context_attention(model: nn.Module, group: Any, *, anatomy: Anatomy | No
     from transformers import AttentionInterface
 
     name = f"paraxis_{mode}"
-    AttentionInterface.register(name, attention_function(group, mode=mode, layout=layout,
-                                                         documents=documents))
+    function = attention_function(group, mode=mode, layout=layout, documents=documents)
+    AttentionInterface.register(name, function)
+    if _inline_models(model):  # the adapters call it (paraxis_seq.hf_inline)
+        install_inline(model, function)
+        return name
     model.set_attn_implementation(name)
     if model.config._attn_implementation != name:  # set_attn_implementation only warns
         raise ValueError(f"{type(model).__name__} did not take attn_implementation={name!r} "

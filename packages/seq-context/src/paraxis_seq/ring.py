@@ -33,13 +33,17 @@ import torch.distributed as dist
 from paraxis.runtime.differentiable import autocast_dtype
 from paraxis_seq.blockwise import (
     Block,
+    alibi_bias,
     block_backward,
     block_forward,
     compute_dtype,
     merge,
+    merge_sinks,
+    plan_blocks,
+    sink_grad,
     with_documents,
 )
-from paraxis_seq.blockwise import plan_block as _plan_block
+from paraxis_seq.variant import Variant
 from paraxis_seq.zigzag import check_layout, positions
 
 __all__ = ["DROPOUT_REFUSED", "ring_attention", "step_plan"]
@@ -54,12 +58,24 @@ DROPOUT_REFUSED = (
 
 
 @functools.lru_cache(maxsize=4096)
+def step_blocks(seq_len: int, size: int, rank: int, src: int, layout: str,
+                variant: Variant) -> tuple[Block, ...]:
+    """The blocks of work of ``rank``'s queries against ``src``'s keys
+    (:func:`paraxis_seq.blockwise.plan_blocks`; cached: the same for every layer and
+    step)."""
+    return plan_blocks(positions(seq_len, size, rank, layout),
+                       positions(seq_len, size, src, layout), variant)
+
+
 def step_plan(seq_len: int, size: int, rank: int, src: int, layout: str, causal: bool,
               window: int | None) -> Block | None:
-    """The block of work of ``rank``'s queries against ``src``'s keys (cached: the same
-    for every layer and step)."""
-    return _plan_block(positions(seq_len, size, rank, layout),
-                       positions(seq_len, size, src, layout), causal=causal, window=window)
+    """The one block of a causal or windowed step (None: no work); a step that splits
+    into several blocks raises (use :func:`step_blocks`)."""
+    blocks = step_blocks(seq_len, size, rank, src, layout, Variant(causal, window))
+    if len(blocks) > 1:
+        raise ValueError(f"rank {rank}'s step against rank {src} splits into "
+                         f"{len(blocks)} blocks; use step_blocks")
+    return blocks[0] if blocks else None
 
 
 class _Ring:
@@ -112,10 +128,21 @@ def _travelling(kv: torch.Tensor, docs: torch.Tensor | None) -> list[torch.Tenso
     return [kv] if docs is None else [kv, docs]
 
 
+def _bias(alibi: torch.Tensor | None, spec: tuple, seq_len: int, group: Any, src: int,
+          blk: Block, dtype: torch.dtype) -> torch.Tensor | None:
+    """ALiBi's bias for one block, from the true positions of its rows and columns."""
+    if alibi is None:
+        return None
+    layout, n = spec[2], group.size
+    return alibi_bias(alibi.to(dtype), positions(seq_len, n, group.rank, layout)[blk.rows],
+                      positions(seq_len, n, src, layout)[blk.cols])
+
+
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor | None,
-             group: Any, spec: tuple, wire: torch.dtype | None,
+             extra: tuple, group: Any, spec: tuple, wire: torch.dtype | None,
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    causal, scale, window, layout = spec
+    variant, scale, layout = spec
+    sinks, alibi = extra
     n, rank, cd = group.size, group.rank, compute_dtype(q.dtype)
     b, s, h, _ = q.shape
     qc = q.to(cd)
@@ -126,48 +153,55 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tens
         # Post the next block's transfer first: it flies while this block computes.
         handle = (ring.start(held, [torch.empty_like(t) for t in held])
                   if step < n - 1 else None)
-        blk = step_plan(s * n, n, rank, (rank - step) % n, layout, causal, window)
-        if blk is not None:
-            kb, vb = _unpack(held[0], k.shape, v.shape)
+        kb, vb, src = *_unpack(held[0], k.shape, v.shape), (rank - step) % n
+        for blk in step_blocks(s * n, n, rank, src, layout, variant):
             mask, tri = with_documents(blk, docs, held[1] if docs is not None else None)
             mask = None if mask is None else mask.to(q.device)
             o, lse_b = block_forward(qc[:, blk.rows], kb[:, blk.cols].to(cd),
                                      vb[:, blk.cols].to(cd), scale=scale, mask=mask,
-                                     causal=tri)
+                                     causal=tri, softcap=variant.softcap,
+                                     bias=_bias(alibi, spec, s * n, group, src, blk, cd))
             out[:, blk.rows], lse[:, :, blk.rows] = merge(out[:, blk.rows],
                                                           lse[:, :, blk.rows], o, lse_b)
         if handle is not None:
             held = ring.wait(handle)
+    if sinks is not None:  # one more logit per head, entering once (after every block)
+        out, lse = merge_sinks(out, lse, sinks)
     return out, lse
 
 
-def _block_grads(blk: Block | None, held: list[torch.Tensor], k: torch.Tensor,
-                 v: torch.Tensor, saved: tuple, dq: torch.Tensor, scale: float,
-                 docs: torch.Tensor | None) -> torch.Tensor:
-    """This rank's dK/dV (packed, compute dtype) for the block it holds; adds into dq."""
-    qc, do, out, lse, delta = saved
+def _block_grads(blocks: tuple[Block, ...], held: list[torch.Tensor], k: torch.Tensor,
+                 v: torch.Tensor, saved: tuple, dq: torch.Tensor, softcap: float | None,
+                 docs: torch.Tensor | None, bias: Any) -> torch.Tensor:
+    """This rank's dK/dV (packed, compute dtype) for the key block it holds; adds into
+    dq. ``bias(blk)``: the block's ALiBi bias, or None."""
+    qc, do, out, lse, delta, scale = saved
     dk = torch.zeros(k.shape, dtype=qc.dtype, device=qc.device)
     dv = torch.zeros(v.shape, dtype=qc.dtype, device=qc.device)
-    if blk is not None:
-        kb, vb = _unpack(held[0], k.shape, v.shape)
+    kb, vb = _unpack(held[0], k.shape, v.shape)
+    for blk in blocks:
         r, c = blk.rows, blk.cols
         mask, tri = with_documents(blk, docs, held[1] if docs is not None else None)
         mask = None if mask is None else mask.to(qc.device)
-        dq_b, dk[:, c], dv[:, c] = block_backward(
+        dq_b, dk_b, dv_b = block_backward(
             do[:, r], qc[:, r], kb[:, c].to(qc.dtype), vb[:, c].to(qc.dtype), lse[:, :, r],
-            delta[:, :, r], scale=scale, mask=mask, causal=tri, out=out[:, r])
+            delta[:, :, r], scale=scale, mask=mask, causal=tri, out=out[:, r],
+            softcap=softcap, bias=bias(blk))
         dq[:, r] += dq_b
+        dk[:, c] += dk_b
+        dv[:, c] += dv_b
     return _pack(dk, dv)
 
 
 def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              out: torch.Tensor, lse: torch.Tensor, docs: torch.Tensor | None, group: Any,
-              spec: tuple, wire: torch.dtype | None) -> tuple[torch.Tensor, ...]:
-    causal, scale, window, layout = spec
+              out: torch.Tensor, lse: torch.Tensor, docs: torch.Tensor | None,
+              alibi: torch.Tensor | None, group: Any, spec: tuple, wire: torch.dtype | None,
+              ) -> tuple[torch.Tensor, ...]:
+    variant, scale, layout = spec
     n, rank, cd = group.size, group.rank, compute_dtype(q.dtype)
     qc, do = q.to(cd), dout.to(cd)
     delta = (do * out).sum(-1).transpose(1, 2)  # rowsum(dO ∘ O), (b, h, s)
-    saved, dq = (qc, do, out, lse, delta), torch.zeros_like(qc)
+    saved, dq = (qc, do, out, lse, delta, scale), torch.zeros_like(qc)
     ring, held = _Ring(group), _travelling(_pack(k, v, wire), docs)
     grad_size = k.numel() + v.numel()
     own, sends = None, []
@@ -179,8 +213,10 @@ def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         recv = [torch.empty(grad_size, dtype=cd, device=q.device)] if incoming else []
         recv += [torch.empty_like(t) for t in held] if more else []
         handle = ring.start(held if more else [], recv)
-        blk = step_plan(q.shape[1] * n, n, rank, (rank - step) % n, layout, causal, window)
-        grad = _block_grads(blk, held, k, v, saved, dq, scale, docs)
+        src, seq_len = (rank - step) % n, q.shape[1] * n
+        blocks = step_blocks(seq_len, n, rank, src, layout, variant)
+        grad = _block_grads(blocks, held, k, v, saved, dq, variant.softcap, docs, functools.partial(
+            _bias, alibi, spec, seq_len, group, src, dtype=cd))
         got = ring.wait(handle)
         if step == 0:
             own = grad  # our own block's part: it stays here
@@ -195,40 +231,52 @@ def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     for handle in sends:
         ring.wait(handle)
     dk, dv = _unpack(own, k.shape, v.shape)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), delta
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                sinks: torch.Tensor | None, alibi: torch.Tensor | None,
                 docs: torch.Tensor | None, group: Any, spec: tuple) -> torch.Tensor:
         # K/V travel in the autocast dtype under bf16/fp16, both ways (the forward's
         # block matmuls would cast them to it; the backward must see the same values).
         wire = autocast_dtype(q.device.type)
-        out, lse = _forward(q, k, v, docs, group, spec, wire)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.docs, ctx.group, ctx.spec, ctx.wire = docs, group, spec, wire
+        out, lse = _forward(q, k, v, docs, (sinks, alibi), group, spec, wire)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.docs, ctx.alibi, ctx.group, ctx.spec, ctx.wire = docs, alibi, group, spec, wire
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
-        grads = _backward(dout, q, k, v, out, lse, ctx.docs, ctx.group, ctx.spec, ctx.wire)
-        return (*grads, None, None, None)
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        *grads, delta = _backward(dout, q, k, v, out, lse, ctx.docs, ctx.alibi, ctx.group,
+                                  ctx.spec, ctx.wire)
+        # The sinks' gradient comes from this rank's rows alone; the context ranks' parts
+        # are summed with every other parameter's (the data strategy's reduction).
+        dsinks = None if sinks is None else sink_grad(lse, delta, sinks).to(sinks.dtype)
+        return (*grads, dsinks, None, None, None, None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Any,
                    causal: bool = True, scale: float | None = None,
                    window: int | None = None, layout: str = "zigzag",
                    dropout: float = 0.0, documents: torch.Tensor | None = None,
+                   chunk: int | None = None, softcap: float | None = None,
+                   sinks: torch.Tensor | None = None, alibi: torch.Tensor | None = None,
                    ) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence, sharded over ``group``.
 
     ``q`` is ``(b, s/C, h, d)``, ``k`` and ``v`` ``(b, s/C, h_kv, d)`` with ``h_kv``
     dividing ``h`` (GQA: query head i uses kv head ``i // (h / h_kv)``); every rank holds
     its shard of the sequence in ``layout`` (:mod:`paraxis_seq.zigzag`). ``window``: a
-    causal sliding window of that many keys (transformers' ``sliding_window``).
-    Returns ``(b, s/C, h, d_v)`` in q's dtype. Collective over ``group``.
+    causal sliding window of that many keys (transformers' ``sliding_window``);
+    ``chunk``: chunked attention; ``softcap``: logit soft-capping; ``sinks`` ``(h,)``:
+    one learned logit per head in every row's normalizer (differentiable); ``alibi``
+    ``(h,)``: ALiBi's slopes (a bias from true positions, fixed);
+    :mod:`paraxis_seq.variant` defines each. ``documents`` ``(b, s/C)``: this shard's
+    document ids (pads -1). Returns ``(b, s/C, h, d_v)`` in q's dtype. Collective over
+    ``group``.
     """
     if dropout:
         raise ValueError(DROPOUT_REFUSED + f" (dropout={dropout})")
@@ -239,11 +287,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"{q.shape[2]} query heads are not a multiple of {k.shape[2]} "
                          "kv heads")
-    if window is not None and (not causal or window < 1):
-        raise ValueError(f"a sliding window (got {window}) needs causal=True and window "
-                         ">= 1: transformers' bidirectional window and flash-attention "
-                         "disagree on its edge, and no causal LM here needs it")
+    for name, per_head in (("sinks", sinks), ("alibi", alibi)):
+        if per_head is not None and per_head.shape != (q.shape[2],):
+            raise ValueError(f"{name} must hold one value per query head, ({q.shape[2]},); "
+                             f"got {tuple(per_head.shape)}")
+    variant = Variant(bool(causal), window, chunk, softcap)
     check_layout(q.shape[1] * group.size, group.size, layout)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     docs = None if documents is None else documents.to(q.device).long().contiguous()
-    return _RingAttention.apply(q, k, v, docs, group, (bool(causal), scale, window, layout))
+    alibi = None if alibi is None else alibi.detach()
+    return _RingAttention.apply(q, k, v, sinks, alibi, docs, group, (variant, scale, layout))

@@ -34,12 +34,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from paraxis.runtime.collectives import gather_along
+from paraxis.runtime.collectives import CommStats, gather_along
 from paraxis.runtime.differentiable import all_to_all
-from paraxis_seq.ring import DROPOUT_REFUSED
+from paraxis.runtime.grid import AxisGroup
+from paraxis_seq.ring import DROPOUT_REFUSED, ring_attention
+from paraxis_seq.variant import Variant, visible
 from paraxis_seq.zigzag import check_layout, shard_order
 
-__all__ = ["kv_replication", "sdpa_attention", "ulysses_attention"]
+__all__ = ["kv_replication", "local_attention", "sdpa_attention", "ulysses_attention"]
 
 Attention = Callable[..., torch.Tensor]
 
@@ -62,18 +64,18 @@ def kv_replication(heads: int, kv_heads: int, size: int) -> int:
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                    scale: float | None, window: int | None = None,
-                   documents: torch.Tensor | None = None) -> torch.Tensor:
+                   documents: torch.Tensor | None = None, chunk: int | None = None,
+                   ) -> torch.Tensor:
     """PyTorch SDPA on ``(b, s, h, d)`` tensors in true sequence order, GQA allowed:
     Ulysses' default kernel (flash on GPU, math on CPU). ``documents`` ``(b, s)``: a
     query attends only keys of its own document, never a pad (-1); a pad's own row
     sees itself, so its (ignored) output stays finite."""
     mask = None
-    if window is not None or documents is not None:
+    if window is not None or documents is not None or chunk is not None:
         pos = torch.arange(q.shape[1], device=q.device)
-        diff = pos[:, None] - pos[None, :]
-        mask = diff >= 0 if causal else torch.ones_like(diff, dtype=torch.bool)
-        if window is not None:
-            mask = mask & (diff < window)
+        mask = visible(pos, pos, causal=causal, window=window, chunk=chunk)
+        if mask is None:
+            mask = torch.ones(q.shape[1], q.shape[1], dtype=torch.bool, device=q.device)
         if documents is not None:
             same = (documents[:, :, None] == documents[:, None, :]) & (documents[:, None] >= 0)
             mask = (mask & same) | torch.eye(q.shape[1], dtype=torch.bool, device=q.device)
@@ -84,23 +86,41 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     return out.transpose(1, 2)
 
 
+def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                    scale: float | None, window: int | None = None,
+                    documents: torch.Tensor | None = None, chunk: int | None = None,
+                    softcap: float | None = None, sinks: torch.Tensor | None = None,
+                    alibi: torch.Tensor | None = None) -> torch.Tensor:
+    """The ring's blockwise kernel on one rank, over the whole gathered sequence: Ulysses'
+    kernel for what SDPA cannot compute (soft-capping, sinks, ALiBi), with the same
+    arithmetic as the ring's (:mod:`paraxis_seq.blockwise`), so both modes agree by
+    construction."""
+    alone = AxisGroup(("context",), (0,), 0, None, CommStats())
+    return ring_attention(q, k, v, group=alone, causal=causal, scale=scale, window=window,
+                          layout="contiguous", documents=documents, chunk=chunk,
+                          softcap=softcap, sinks=sinks, alibi=alibi)
+
+
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Any,
                       causal: bool = True, scale: float | None = None,
                       window: int | None = None, layout: str = "zigzag",
                       attention: Attention | None = None, dropout: float = 0.0,
-                      documents: torch.Tensor | None = None) -> torch.Tensor:
+                      documents: torch.Tensor | None = None, chunk: int | None = None,
+                      softcap: float | None = None, sinks: torch.Tensor | None = None,
+                      alibi: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of sequence-sharded ``q (b, s/C, H, d)``, ``k, v (b, s/C, H_kv, d)``
     through head-sharded full-sequence attention; returns ``(b, s/C, H, d_v)``.
 
     ``attention(q, k, v, causal=, scale=, window=)`` runs on ``(b, s, H/C, d)`` tensors
-    in true order (default :func:`sdpa_attention`; with ``documents``, this shard's
-    per-token document ids, the kernel also gets ``documents=`` for the gathered
-    sequence). Collective over ``group``.
+    in true order (default :func:`sdpa_attention`, or :func:`local_attention` under
+    soft-capping, sinks or ALiBi; with ``documents``, this shard's per-token document ids, the
+    kernel also gets ``documents=`` for the gathered sequence, and ``chunk=``,
+    ``softcap=``, ``sinks=`` and ``alibi=`` (this rank's heads' values) when set). Collective over
+    ``group``.
     """
     if dropout:
         raise ValueError(DROPOUT_REFUSED + f" (dropout={dropout})")
-    if window is not None and not causal:
-        raise ValueError(f"a sliding window (got {window}) needs causal=True")
+    Variant(bool(causal), window, chunk, softcap)  # refuses what no kernel here computes
     n = group.size
     seq_len = q.shape[1] * n
     check_layout(seq_len, n, layout)
@@ -113,12 +133,21 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
         order = shard_order(seq_len, n, layout).to(q.device)
         back = order.argsort()
         qh, kh, vh = (t.index_select(1, back) for t in (qh, kh, vh))
-    extra = {}
+    extra: dict[str, Any] = {}
     if documents is not None:  # every rank's ids, once: the gathered sequence's
         docs = gather_along(documents.to(q.device).long().contiguous(), 1, group)
         extra["documents"] = docs if order is None else docs.index_select(1, back)
-    out = (attention or sdpa_attention)(qh, kh, vh, causal=causal, scale=scale,
-                                        window=window, **extra)
+    if chunk is not None:
+        extra["chunk"] = chunk
+    if softcap is not None:
+        extra["softcap"] = softcap
+    heads = q.shape[2] // n  # rank r holds query heads [r H/C, (r+1) H/C) now
+    for name, per_head in (("sinks", sinks), ("alibi", alibi)):
+        if per_head is not None:
+            extra[name] = per_head[group.rank * heads:(group.rank + 1) * heads]
+    blockwise = softcap is not None or sinks is not None or alibi is not None
+    kernel = attention or (local_attention if blockwise else sdpa_attention)
+    out = kernel(qh, kh, vh, causal=causal, scale=scale, window=window, **extra)
     if order is not None:
         out = out.index_select(1, order)
     return all_to_all(out, group, scatter_dim=1, gather_dim=2)

@@ -17,10 +17,11 @@ from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt, model
 
 from paraxis.config.errors import ConfigError, Problem
 from paraxis.config.parallel import ParallelConfig, _Section
+from paraxis.config.reporting import LoggingSection, ProfileWindow
 from paraxis.config.text import expand_env
 
 __all__ = ["DataSection", "EvalData", "LoggingSection", "LossScaling", "ModelSection",
-           "RunConfig", "TrainSection"]
+           "ProfileWindow", "RunConfig", "TrainSection"]
 
 
 class ModelSection(_Section):
@@ -94,6 +95,7 @@ class TrainSection(_Section):
     # batches of data.eval (0: no evaluation).
     eval_every: NonNegativeInt = 0
     eval_batches: PositiveInt = 4
+    profile: ProfileWindow | None = None  # torch.profiler over chosen steps
 
     @model_validator(mode="after")
     def _bf16_spelling(self) -> TrainSection:
@@ -118,17 +120,29 @@ class DataSection(_Section):
     """``source``: ``stdlib`` (the running interpreter's standard-library sources), a
     text or JSONL file, a directory of them, a ``datasets`` dataset saved to disk, or a
     directory ``paraxis data prepare`` wrote (memory-mapped tokens); with ``streaming``,
-    parquet, arrow or JSONL files read as they train (:mod:`paraxis.train.stream`)."""
+    parquet, arrow or JSONL files read as they train (:mod:`paraxis.train.stream`).
+
+    ``format``: what a row is, ``text`` or a fine-tuning example whose answers alone
+    score by default, ``prompt_response`` or ``chat`` (:mod:`paraxis.train.sft`)."""
 
     source: str = "stdlib"
-    format: Literal["auto", "text", "jsonl", "hf_disk", "tokens"] = "auto"
+    format: Literal["text", "prompt_response", "chat"] = "text"
+    # How the source is stored (auto: told from the path). Before issue 34 this was
+    # ``format``; ``format: jsonl | hf_disk | tokens | auto`` is still read as it.
+    source_format: Literal["auto", "text", "jsonl", "hf_disk", "tokens"] = "auto"
     text_field: str = "text"
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    messages_field: str = "messages"
+    # Which tokens score: the responses / assistant turns, or all (None: answers for
+    # prompt_response and chat; text has no answers).
+    loss_on: Literal["answers", "all"] | None = None
     tokenizer: str = "bytes"  # or the path of a local Hugging Face tokenizer
     max_bytes: PositiveInt = 8_000_000
     shuffle: bool = True
     # Packed rows carry position ids restarting after each separator, so no token attends
     # to another document and no target crosses a boundary. Off by default: pretraining
-    # on concatenated text usually attends across; turn it on for fine-tuning data.
+    # on concatenated text usually attends across. Fine-tuning formats are always apart.
     document_masking: bool = False
     # Read the source as it trains (paraxis.train.stream): local parquet, arrow or JSONL
     # files streamed by ``datasets``, tokenized and packed on the fly, so a rank holds a
@@ -143,12 +157,42 @@ class DataSection(_Section):
     balance_tokens: bool = False
     eval: EvalData = EvalData()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _older_format_spelling(cls, raw: Any) -> Any:
+        """``format`` named how the source is stored before it named what a row is."""
+        if isinstance(raw, Mapping) and raw.get("format") in ("auto", "jsonl", "hf_disk",
+                                                               "tokens"):
+            if "source_format" in raw:
+                raise ValueError(f"data.format {raw['format']!r} is the older spelling of "
+                                 "data.source_format, which is set too: keep one")
+            raw = {**raw, "source_format": raw["format"], "format": "text"}
+        return raw
 
-class LoggingSection(_Section):
-    wandb: bool = True  # used when paraxis-wandb is installed
-    project: str = "paraxis"
-    run_name: str | None = None
-    progress: bool = True  # rich progress bar on the logging rank
+    @property
+    def finetuning(self) -> bool:  # rows are prompt_response or chat examples
+        return self.format != "text"
+
+    @property
+    def answers_only(self) -> bool:
+        """Only the answers score (``loss_on``, with its default)."""
+        return (self.loss_on or ("answers" if self.finetuning else "all")) == "answers"
+
+    def check_rows(self) -> list[Problem]:
+        """What this section asks of a row that cannot be honoured, found without data."""
+        problems = []
+        if self.loss_on == "answers" and not self.finetuning:
+            problems.append(Problem(
+                "data.loss_on", "answers", "format text has no answers: every token of a "
+                "document is a target", "set data.format: prompt_response or chat (with "
+                "its fields), or drop data.loss_on"))
+        if self.finetuning and "document_masking" in self.model_fields_set \
+                and not self.document_masking:
+            problems.append(Problem(
+                "data.document_masking", False, f"format {self.format} keeps its examples "
+                "apart in a packed row (an answer never attends to another example)",
+                "drop data.document_masking, or set data.packing: false"))
+        return problems
 
 
 class RunConfig(ParallelConfig):
@@ -187,6 +231,12 @@ class RunConfig(ParallelConfig):
                                     "needs held-out data, and data.eval names none",
                                     "set data.eval.fraction (e.g. 0.05) or "
                                     "data.eval.source"))
+        window = t.profile
+        if window is not None and window.start + window.steps - 1 > t.steps:
+            problems.append(Problem("train.profile", window.model_dump(exclude_none=True),
+                                    f"ends after the last step (train.steps = {t.steps})",
+                                    f"start it at step {max(1, t.steps - window.steps + 1)} "
+                                    "or earlier"))
         if held_out.fraction and held_out.source:
             problems.append(Problem("data.eval", held_out.model_dump(),
                                     "names both a fraction and a source",
@@ -199,11 +249,11 @@ class RunConfig(ParallelConfig):
         group as the CLI does before any process)."""
         d, problems = self.data, []
         if d.streaming:
-            if d.source == "stdlib" or d.format not in ("auto", "jsonl"):
+            if d.source == "stdlib" or d.source_format not in ("auto", "jsonl"):
                 problems.append(Problem("data.streaming", True, f"streams local parquet, "
                                         f"arrow or JSONL files, not source {d.source!r} "
-                                        f"in format {d.format!r}", "point data.source at "
-                                        "such files or a directory of them"))
+                                        f"stored as {d.source_format!r}", "point data."
+                                        "source at such files or a directory of them"))
             if d.eval.fraction:
                 problems.append(Problem("data.eval.fraction", d.eval.fraction,
                                         "a stream has no end to hold rows out from",

@@ -149,7 +149,7 @@ class Engine:
         step_time = time.perf_counter() - start
         self.step += 1
         sums, fastest, slowest = self._reduce_step(total, step_time)
-        out = step_metrics(self.grid.comm, comm_mark, step=self.step, lr=lr, norm=norm,
+        out = step_metrics(self.grid, comm_mark, step=self.step, lr=lr, norm=norm,
                            loss=sums[0] / tokens.clamp(min=1).item(), times=(fastest, slowest),
                            tokens=batch.input_ids.numel() * self.replicas.size,
                            peak_flops=self.train_cfg.peak_flops,

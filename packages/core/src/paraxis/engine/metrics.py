@@ -21,14 +21,17 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from paraxis.config.shape import ModelShape
+from paraxis.parallel.metric_names import comm_metric, group_names
 from paraxis.parallel.placement import placement_of
-from paraxis.runtime.comm_stats import CommStats
+
+if TYPE_CHECKING:
+    from paraxis.runtime.grid import Grid
 
 __all__ = ["Tracer", "flops_per_token", "memory_stats", "mfu", "model_flops_per_token",
            "non_embedding_params", "peak_rss_bytes", "step_metrics", "tensors_held_by"]
@@ -43,18 +46,25 @@ class Span:
 
 
 class Tracer:
-    """Spans of this rank's training thread, in seconds since the tracer started."""
+    """Spans of this rank's training thread, in seconds since the tracer started. While
+    ``ranges`` is on (a ``train.profile`` window) each span is also a
+    ``torch.profiler.record_function`` range named ``paraxis/<span>``, so torch's trace
+    shows paraxis's phases around its own events."""
 
     def __init__(self, rank: int = 0):
         self.rank = rank
         self.origin = time.perf_counter()
         self.spans: list[Span] = []
+        self.ranges = False
 
     @contextlib.contextmanager
     def span(self, name: str, cat: str = "compute") -> Iterator[None]:
         start = time.perf_counter() - self.origin
+        marked = (torch.profiler.record_function(f"paraxis/{name}") if self.ranges
+                  else contextlib.nullcontext())
         try:
-            yield
+            with marked:
+                yield
         finally:
             self.spans.append(Span(name, cat, start, time.perf_counter() - self.origin))
 
@@ -120,13 +130,16 @@ def model_flops_per_token(model: nn.Module, shape: ModelShape | None) -> float |
                            shape.seq_length or 0)
 
 
-def step_metrics(comm: CommStats, comm_mark: Any, *, step: int, loss: float, norm: float,
+def step_metrics(grid: Grid, comm_mark: Any, *, step: int, loss: float, norm: float,
                  lr: float, times: tuple[float, float], tokens: int,
                  peak_flops: float | None, flops_per_token: float | None,
                  devices: int) -> dict[str, float]:
     """One step's metrics, the same on every rank: ``times`` are the fastest and the
-    slowest rank's step time, ``tokens`` the global batch's."""
+    slowest rank's step time, ``tokens`` the global batch's. Communication is reported
+    per group under the names of :func:`paraxis.parallel.metric_names.group_names`
+    (a group of one rank is left out)."""
     fastest, slowest = times
+    comm = grid.comm
     out = {
         "step": float(step),
         "loss": float(loss),
@@ -141,10 +154,13 @@ def step_metrics(comm: CommStats, comm_mark: Any, *, step: int, loss: float, nor
         "straggler_spread_s": slowest - fastest,
         "comm_bytes": comm.total_bytes(comm_mark),
     }
-    for axes, n in sorted(comm.bytes_by_axis(comm_mark).items()):
-        out[f"comm/{axes}_bytes"] = n
-    for axes, n in sorted(comm.seconds_by_axis(comm_mark).items()):
-        out[f"comm/{axes}_exposed_s"] = n  # blocked time (a stream stall on NCCL)
+    names = group_names(grid.axes, grid.layout.degrees)
+    for kind, by_group in (("bytes", comm.bytes_by_axis(comm_mark)),
+                           ("exposed_s", comm.seconds_by_axis(comm_mark))):  # blocked time
+        for key, n in sorted(by_group.items()):
+            name = names.get(key, key)
+            if name is not None:  # groups of one rank are left out
+                out[comm_metric(name, kind)] = n
     if peak_flops and flops_per_token:
         out["mfu"] = mfu(out["tokens_per_s"], flops_per_token, peak_flops, devices)
     return out

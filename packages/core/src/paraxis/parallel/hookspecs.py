@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from paraxis.config.errors import Problem
     from paraxis.config.parallel import ParallelConfig
     from paraxis.config.shape import ModelShape
+    from paraxis.parallel.sink import MetricSink
     from paraxis.parallel.strategy import ApplyContext, Strategy
     from paraxis.parallel.summary import RunReport
 
@@ -122,31 +123,19 @@ def paraxis_model_context(config: Any) -> Any:
 
 
 @hookspec
-def paraxis_log_start(config: Any, grid: dict[str, Any]) -> None:
-    """A run starts: ``config`` is the :class:`paraxis.config.run.RunConfig`, ``grid``
-    the grid's ``describe()``.
+def paraxis_metric_sinks(config: Any, directory: str) -> list[MetricSink] | None:
+    """The sinks this plugin adds to a run (:class:`paraxis.parallel.sink.MetricSink`
+    objects: where metrics, figures and the summary go), or None when its section of
+    ``config`` leaves it off.
 
-    Called by the trainer on the logging rank only (the first rank of the last pipeline
-    stage), before the first step. Logging plugins open their run here and must never
-    raise or block training if their service is unreachable. Not firstresult.
-    """
-
-
-@hookspec
-def paraxis_log_metrics(step: int, metrics: dict[str, float]) -> None:
-    """Metrics of one optimizer step (loss, tokens_per_s, step_time_s, exposed_comm_s...).
-
-    Called by the trainer on the logging rank every ``train.log_every`` steps and at the
-    last step. Must return quickly and never raise. Not firstresult.
-    """
-
-
-@hookspec
-def paraxis_log_end(summary: dict[str, float]) -> None:
-    """The run ended; ``summary`` holds its totals (final loss, mean tokens/s, wall time).
-
-    Called by the trainer on the logging rank after the last step and checkpoint.
-    Logging plugins close their run here. Not firstresult.
+    Called once per run by the trainer (:func:`paraxis.train.sinks.open_sinks`) on the
+    logging rank only (the first rank of the last pipeline stage), before the first step,
+    with the :class:`paraxis.config.run.RunConfig` and the run's directory (where core
+    writes ``metrics.jsonl``: ``logging.dir``, else the checkpoint directory). Core's own
+    sinks (console, ``metrics.jsonl``) come first; paraxis-wandb answers with a W&B run,
+    paraxis-tensorboard with an event file. A sink must never block training on its
+    service; one that raises is switched off with a warning. Not firstresult: every
+    plugin's sinks are used.
     """
 
 
@@ -170,15 +159,6 @@ def paraxis_cli_commands(subparsers: Any) -> None:
     sets ``func`` to a callable taking the parsed arguments and returning an exit code.
 
     Called by :func:`paraxis.cli.main.build_parser` once. Not firstresult.
-    """
-
-
-@hookspec
-def paraxis_log_figure(name: str, svg: str, step: int) -> None:
-    """A picture of the run (an SVG document), e.g. the pipeline's measured timeline.
-
-    Called by the trainer on the logging rank after the last step. Logging plugins store
-    it (paraxis-wandb as an HTML panel); must never raise. Not firstresult.
     """
 
 

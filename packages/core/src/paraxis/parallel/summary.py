@@ -11,11 +11,11 @@ __all__ = ["RunReport"]
 
 @dataclass
 class RunReport:
-    # Summary values (also handed to ``paraxis_log_end``), e.g. moe/most_loaded_vs_mean.
+    # Summary values (also handed to the sinks' ``end``), e.g. moe/most_loaded_vs_mean.
     values: dict[str, float] = field(default_factory=dict)
     # (name, text) rows of the summary table, e.g. the most loaded expert.
     rows: list[tuple[str, str]] = field(default_factory=list)
-    # (name, SVG document): written beside the traces and given to ``paraxis_log_figure``.
+    # (name, SVG document): written in the run's directory and given to the sinks.
     figures: list[tuple[str, str]] = field(default_factory=list)
     # Lines printed on the logging rank (a pipeline's measured bubble).
     text: list[str] = field(default_factory=list)

@@ -1,6 +1,7 @@
 """What a grid's collectives put on the wire and how long callers sat blocked, per
 (axes, op): the counters :mod:`paraxis.runtime.collectives` fills and the engine reports as
-``comm/<axes>_bytes`` and ``exposed_comm_s``."""
+``comm/<group>_bytes`` (named by :func:`paraxis.parallel.metric_names.group_names`)
+and ``exposed_comm_s``."""
 
 from __future__ import annotations
 

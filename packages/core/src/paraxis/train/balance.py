@@ -31,23 +31,29 @@ class PaddedRows:
     """Rows of token ids, each one document right-padded with 0, and their lengths.
     ``rows[index]`` is a batch for :meth:`paraxis.parallel.batch.Batch.from_user`:
     ``input_ids`` and ``attention_mask``, as wide as its longest row rounded up to
-    ``multiple`` (None: always the full width)."""
+    ``multiple`` (None: always the full width), and ``labels`` when the rows carry them
+    (fine-tuning examples: -100 where a token does not score)."""
 
-    def __init__(self, ids: torch.Tensor, lengths: torch.Tensor, multiple: int | None):
-        self.ids, self.lengths, self.multiple = ids, lengths, multiple
+    def __init__(self, ids: torch.Tensor, lengths: torch.Tensor, multiple: int | None,
+                 labels: torch.Tensor | None = None):
+        self.ids, self.lengths, self.multiple, self.labels = ids, lengths, multiple, labels
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def __getitem__(self, index: Any) -> dict[str, torch.Tensor]:
+        labels = None if self.labels is None else self.labels[index]
         if isinstance(index, slice):
-            return PaddedRows(self.ids[index], self.lengths[index], self.multiple)
+            return PaddedRows(self.ids[index], self.lengths[index], self.multiple, labels)
         ids, lengths = self.ids[index], self.lengths[index]
         width = ids.shape[1]
         if self.multiple is not None and len(lengths):
             width = min(width, -(-int(lengths.max()) // self.multiple) * self.multiple)
         mask = (torch.arange(width) < lengths[:, None]).long()
-        return {"input_ids": ids[:, :width], "attention_mask": mask}
+        out = {"input_ids": ids[:, :width], "attention_mask": mask}
+        if labels is not None:
+            out["labels"] = labels[:, :width]
+        return out
 
 
 def padded_rows(cfg: DataSection, seq_length: int, tokenizer: Any,

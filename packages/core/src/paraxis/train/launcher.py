@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from paraxis.config.errors import ConfigError, Problem
 from paraxis.train.failures import REPORT_ENV, explain
 from paraxis.train.lifecycle import LOCK_ENV, DirectoryLock
+from paraxis.train.notices import WarningLines
 
 __all__ = ["LaunchOptions", "add_launch_arguments", "run_workers", "sbatch_script",
            "slurm_hosts", "torchrun_args"]
@@ -164,6 +165,7 @@ def run_workers(world_size: int, opts: LaunchOptions, argv: Sequence[str],
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     report = tempfile.mkdtemp(prefix="paraxis-report-")  # the workers' records
     os.environ[REPORT_ENV] = report
+    lines = WarningLines().install()  # this process's warnings as the workers' (one line)
     lock = None
     if checkpoint_dir and opts.node_rank == 0:  # one writer: the first node holds it
         lock = DirectoryLock(checkpoint_dir).acquire()
@@ -184,3 +186,4 @@ def run_workers(world_size: int, opts: LaunchOptions, argv: Sequence[str],
         shutil.rmtree(report, ignore_errors=True)
         if lock is not None:
             lock.release()
+        lines.uninstall()

@@ -1,8 +1,10 @@
 """The training loop behind ``paraxis train``: build, parallelize, feed, log, checkpoint.
 
-:func:`train` reads as its steps: :func:`start` (model, engine, data stream, resume),
-:func:`run_steps` (the loop with its logging and periodic checkpoints), :func:`finish`
-(last checkpoint, the axes' reports, the summary).
+:func:`train` reads as its steps: :func:`start` (model, engine, data stream, resume, the
+sinks), :func:`run_steps` (the loop with its logging, profiler window and periodic
+checkpoints), :func:`finish` (last checkpoint, the axes' reports, the summary). Metrics
+leave through the sinks only (:mod:`paraxis.train.sinks`: console, metrics.jsonl, and
+the plugins' W&B, TensorBoard), on the logging rank.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from paraxis.checkpoint.files import read_index
+from paraxis.checkpoint.format import resolve
 from paraxis.config.errors import ConfigError
 from paraxis.config.run import RunConfig
 from paraxis.engine.apply import parallelize
@@ -26,8 +30,17 @@ from paraxis.train.build import build_model, model_spec
 from paraxis.train.data import BatchStream, check_data, document_positions, load_tokenizer
 from paraxis.train.failures import RankRecord
 from paraxis.train.lifecycle import StopRequest
+from paraxis.train.notices import (
+    WarningLines,
+    default_store,
+    layout_words,
+    resume_line,
+    stop_line,
+)
+from paraxis.train.profile import StepProfiler
+from paraxis.train.sinks import Sinks, check_sinks, open_sinks, run_directory
 from paraxis.train.sources import open_stream
-from paraxis.train.summary import console_line, progress, summarize, summary_table
+from paraxis.train.summary import summarize
 
 __all__ = ["Run", "evaluate", "finish", "run_steps", "start", "train"]
 
@@ -47,6 +60,8 @@ class Run:
     started: float  # perf_counter at the first step
     held_out: Any = None  # the held-out rows (data.eval), or None
     separator: int | None = None  # with data.document_masking: the tokenizer's separator
+    sinks: Sinks | None = None  # on the logging rank
+    profiler: StepProfiler | None = None  # train.profile's window
 
     def feed(self, rows: Any) -> Any:
         """What the engine gets for packed ``rows``: the rows, or with document masking
@@ -67,21 +82,36 @@ class Run:
 
 def train(cfg: RunConfig, history: list[dict[str, float]] | None = None) -> dict[str, float]:
     """Run ``cfg`` on the current world (under torchrun, or a world of one); return the
-    summary. Each step's metrics are appended to ``history`` when one is given."""
-    run = start(cfg, [] if history is None else history)
-    run_steps(run)
-    return finish(run)
+    summary. Each step's metrics are appended to ``history`` when one is given. In a
+    torchrun worker, warnings are shown as single lines, once per run
+    (:class:`paraxis.train.notices.WarningLines`)."""
+    lines = WarningLines().install() if "TORCHELASTIC_RUN_ID" in os.environ else None
+    run = None
+    try:
+        run = start(cfg, [] if history is None else history, lines)
+        run_steps(run)
+        return finish(run)
+    finally:
+        if run is not None:  # a failed run still closes its sinks and profiler window
+            _close(run)
+        if lines is not None:
+            lines.uninstall()
 
 
-def start(cfg: RunConfig, history: list[dict[str, float]]) -> Run:
+def start(cfg: RunConfig, history: list[dict[str, float]],
+          lines: WarningLines | None = None) -> Run:
     """Build the model (in a plugin's construction context, if one answers), parallelize
-    it, open the data stream at this rank's share and resume from the latest checkpoint."""
+    it, open the data stream at this rank's share, resume from the latest checkpoint and
+    open the sinks (logging rank)."""
     pm = make_plugin_manager()
+    check_sinks(cfg, pm)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     problems = check_data(cfg, tokenizer)
     if problems:  # before any process group, with everything found
         raise ConfigError(problems)
     init_distributed()  # a construction context may partition over the ranks
+    if lines is not None:
+        lines.attach(default_store())
     context = pm.hook.paraxis_model_context(config=cfg)
     with context if context is not None else contextlib.nullcontext():
         model = build_model(model_spec(cfg, tokenizer.vocab_size), pm, seed=cfg.train.seed,
@@ -96,18 +126,23 @@ def start(cfg: RunConfig, history: list[dict[str, float]]) -> Run:
     if held_out is not None and len(held_out) < cfg.train.global_batch:
         raise ValueError(f"data.eval holds {len(held_out)} sequences, fewer than one global "
                          f"batch of {cfg.train.global_batch}")
-    ckpt = cfg.train.checkpoint_dir
+    ckpt, resumed = cfg.train.checkpoint_dir, None
     if ckpt and cfg.train.resume and (Path(ckpt) / "latest").exists():
-        engine.load(ckpt)
+        resumed = resolve(ckpt)
+        engine.load(str(resumed))
         stream.load_state_dict(engine.data_state)
     run = Run(cfg, pm, engine, stream, signals, history, engine.step, len(history),
               time.perf_counter(), held_out,
               tokenizer.separator if cfg.data.document_masking else None)
+    run.profiler = StepProfiler(cfg.train.profile, rank=engine.grid.rank, device=engine.device,
+                                tracer=engine.tracer, directory=run_directory(cfg) / "profile")
     if run.logging:
-        pm.hook.paraxis_log_start(config=cfg, grid=engine.grid.describe())
-        note = getattr(engine.scheduler, "resume_note", None)  # another train.steps
-        if note:
-            print(note, flush=True)
+        if resumed is not None:
+            layout = layout_words(cfg.degrees, cfg.parallelism.zero)
+            print(resume_line(resumed, read_index(resumed), layout, stream, engine.scheduler),
+                  flush=True)
+        run.sinks = open_sinks(cfg, pm)  # last: nothing after it can fail and leave them open
+        run.sinks.start(cfg, engine.grid.describe(), engine.step)
     return run
 
 
@@ -120,29 +155,30 @@ def run_steps(run: Run) -> None:
         stop = min(stop, run.first_step + cfg.train.exit_after_steps)
     record = RankRecord()  # the launcher names a rank killed outright from it
     record.alive(engine.step)
-    with progress(run.logging and cfg.logging.progress, cfg.train.steps,
-                  run.first_step) as update:
-        while engine.step < stop:
-            batch = run.stream.next_batch()
-            engine.data_state = run.stream.state_dict()
-            metrics = engine.train_step(run.feed(batch))
-            record.alive(engine.step)
-            run.history.append(metrics)
-            last = engine.step == stop
-            evaluated = run.evaluating and (engine.step % cfg.train.eval_every == 0 or last)
-            if evaluated:
-                metrics.update(evaluate(run))
-            if run.logging and (engine.step % cfg.train.log_every == 0 or last or evaluated):
-                run.pm.hook.paraxis_log_metrics(step=engine.step, metrics=metrics)
-                if update is None:
-                    print(console_line(metrics, cfg.train.steps), flush=True)
-            if update is not None:
-                update(metrics)
-            if engine.stop_agreed:  # a signal reached some rank: every rank stops here
-                break
-            every = cfg.train.checkpoint_every
-            if every and engine.step % every == 0 and not last:
-                _save(run)
+    profiler = run.profiler
+    while engine.step < stop:
+        if profiler is not None:
+            profiler.before_step(engine.step + 1)
+        batch = run.stream.next_batch()
+        engine.data_state = run.stream.state_dict()
+        metrics = engine.train_step(run.feed(batch))
+        record.alive(engine.step)
+        run.history.append(metrics)
+        last = engine.step == stop
+        evaluated = run.evaluating and (engine.step % cfg.train.eval_every == 0 or last)
+        if evaluated:
+            metrics.update(evaluate(run))
+        if run.sinks is not None:
+            run.sinks.step(metrics)
+            if engine.step % cfg.train.log_every == 0 or last or evaluated:
+                run.sinks.metrics(engine.step, metrics)
+        if profiler is not None:
+            profiler.after_step(engine.step)
+        if engine.stop_agreed:  # a signal reached some rank: every rank stops here
+            break
+        every = cfg.train.checkpoint_every
+        if every and engine.step % every == 0 and not last:
+            _save(run)
 
 
 def evaluate(run: Run) -> dict[str, float]:
@@ -164,12 +200,10 @@ def finish(run: Run) -> dict[str, float]:
     _save(run)
     engine.wait_for_checkpoint()  # an async save is on disk before the run reports it
     run.signals.uninstall()
-    if engine.stop_agreed and run.logging:
-        command = os.environ.get("PARAXIS_COMMAND", "the same command")
-        where = (f"checkpoint {cfg.train.checkpoint_dir}/step-{engine.step:08d} written; "
-                 f"resume with: {command}" if cfg.train.checkpoint_dir else
-                 "no checkpoint written (train.checkpoint_dir is not set)")
-        print(f"stopped by a signal after step {engine.step}: {where}", flush=True)
+    if run.profiler is not None:
+        run.profiler.close(engine.step)
+    if run.logging:
+        _say_how_it_stopped(run)
     mine = run.history[run.done_before:]
     # Collective in some plugins (the pipeline's timeline): every rank asks.
     reports: list[RunReport] = run.pm.hook.paraxis_summarize_run(ctx=engine.ctx, history=mine)
@@ -178,26 +212,50 @@ def finish(run: Run) -> dict[str, float]:
     summary = summarize(mine, time.perf_counter() - run.started, engine.step - run.first_step)
     for report in reports:
         summary.update(report.values)
-    if run.logging:
-        _show_reports(run, reports)
-        run.pm.hook.paraxis_log_end(summary=summary)
-        summary_table(summary, [row for report in reports for row in report.rows])
+    if run.sinks is not None:
+        _show_reports(run, run.sinks, reports)
+        run.sinks.end(summary, [row for report in reports for row in report.rows])
     engine.close()
     return summary
 
 
-def _show_reports(run: Run, reports: list[RunReport]) -> None:
-    """Print the axes' lines; write their figures beside the traces (or checkpoints) and
-    hand them to the logging plugins."""
-    where = run.cfg.train.trace_dir or run.cfg.train.checkpoint_dir
+def _say_how_it_stopped(run: Run) -> None:
+    """The lines of a run that stopped before ``train.steps`` (a signal, or
+    ``train.exit_after_steps``: how to resume) and where the profiler wrote."""
+    cfg, step = run.cfg, run.engine.step
+    if run.engine.stop_agreed:
+        print(stop_line(step, "by a signal", cfg.train.checkpoint_dir), flush=True)
+    elif cfg.train.exit_after_steps and step < cfg.train.steps:
+        print(stop_line(step, f"by train.exit_after_steps = {cfg.train.exit_after_steps}",
+                        cfg.train.checkpoint_dir), flush=True)
+    if run.profiler is not None and run.profiler.written:
+        names = ", ".join(p.name.replace(f"rank{run.engine.grid.rank:05d}", "rank*")
+                          for p in run.profiler.written)
+        print(f"profile written in {run.profiler.directory}: {names} (one per rank; "
+              "the traces open in ui.perfetto.dev)", flush=True)
+
+
+def _show_reports(run: Run, sinks: Sinks, reports: list[RunReport]) -> None:
+    """Print the axes' lines; write their figures beside the traces (or in the run's
+    directory) and hand them to the sinks."""
+    where = Path(run.cfg.train.trace_dir or run_directory(run.cfg))
     for report in reports:
         for line in report.text:
             print(line, flush=True)
         for name, svg in report.figures:
-            if where:
-                Path(where).mkdir(parents=True, exist_ok=True)
-                (Path(where) / f"{name.replace('_', '-')}.svg").write_text(svg)
-            run.pm.hook.paraxis_log_figure(name=name, svg=svg, step=run.engine.step)
+            where.mkdir(parents=True, exist_ok=True)
+            (where / f"{name.replace('_', '-')}.svg").write_text(svg)
+            sinks.figure(name, svg, run.engine.step)
+
+
+def _close(run: Run) -> None:
+    """After the run, or its failure: the profiler window and the sinks are closed
+    (the sinks' ``end`` with no summary when the run did not reach :func:`finish`)."""
+    if run.profiler is not None:
+        with contextlib.suppress(Exception):
+            run.profiler.close(run.engine.step)
+    if run.sinks is not None:
+        run.sinks.end(None)
 
 
 def _save(run: Run) -> None:

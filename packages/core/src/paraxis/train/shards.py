@@ -4,88 +4,112 @@
 processes, into the layout of Megatron's indexed datasets and nanoGPT's ``.bin`` files:
 
 * ``tokens.bin``: every document's tokens followed by the separator, back to back, as
-  ``uint16`` when the vocabulary fits, else ``uint32``;
-* ``documents.npy``: the end offset of each document (int64, ascending);
+  ``uint16`` when the vocabulary fits, else ``uint32``; a fine-tuning example's tokens
+  as its encoding made them (:mod:`paraxis.train.sft`: no separator is added);
+* ``loss_mask.bin`` (fine-tuning formats only, version 2): one byte per token, 1 where
+  it is an answer token, so ``data.loss_on`` can still be chosen when training;
+* ``documents.npy``: the end offset of each document or example (int64, ascending);
 * ``meta.json``: format and version, dtype, token and document counts, the tokenizer
-  and its vocabulary size and separator, the source.
+  and its vocabulary size and separator, the source, and what a row was (``rows``).
 
 ``data.source: DIR`` then trains on it: :class:`TokenRows` cuts the token file into
-rows of ``seq_length`` without reading it, and a batch reads only its rows' pages, so a
-rank's memory does not grow with the corpus. The files are checked against the metadata
-before anything is read (:func:`check_shards`).
+rows of ``seq_length`` without reading it (fine-tuning rows: :class:`paraxis.train.
+example_rows.ExampleRows` plans rows of whole examples from the index), and a batch
+reads only its rows' pages, so a rank's memory does not grow with the corpus. The files
+are checked against the metadata before anything is read (:func:`check_shards`).
 """
 
 from __future__ import annotations
 
 import json
 import multiprocessing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["FORMAT", "TokenRows", "check_shards", "is_prepared", "prepare", "token_rows"]
+__all__ = ["FORMAT", "TokenRows", "check_shards", "is_prepared", "prepare",
+           "prepared_examples", "shard_rows", "text_encoding", "token_rows"]
 
-FORMAT, VERSION = "paraxis-tokens", 1
-TOKENS, DOCUMENTS, META = "tokens.bin", "documents.npy", "meta.json"
+# Version 2 adds the loss mask of fine-tuning rows; text is still written as version 1,
+# which every reader since the first understands.
+FORMAT, VERSION, VERSIONS = "paraxis-tokens", 1, (1, 2)
+TOKENS, DOCUMENTS, META, LOSS_MASK = "tokens.bin", "documents.npy", "meta.json", "loss_mask.bin"
 
 
 def is_prepared(path: Path) -> bool:
     return path.is_dir() and (path / META).exists()
 
 
-_worker_tokenizer: Any = None
+# An encoding: (make, args), ``make(*args)`` returning what turns a record into
+# (token ids, answer mask or None for text): built once in each worker process.
+Encoding = tuple[Callable[..., Callable[[Any], tuple[np.ndarray, np.ndarray | None]]],
+                 tuple[Any, ...]]
+_worker_encode: Any = None
 
 
-def _init_worker(load: Any, name: str) -> None:
-    global _worker_tokenizer
-    _worker_tokenizer = load(name)
+def text_encoding(load_tokenizer: Any, name: str) -> Callable[[str], tuple[np.ndarray, None]]:
+    """Documents: their tokens, no mask (the separator is added when writing)."""
+    tokenizer = load_tokenizer(name)
+    return lambda text: (tokenizer.encode(text).numpy(), None)
 
 
-def _encode(text: str) -> np.ndarray:
-    return _worker_tokenizer.encode(text).numpy()
+def _init_worker(make: Any, args: tuple[Any, ...]) -> None:
+    global _worker_encode
+    _worker_encode = make(*args)
 
 
-def _encoded(documents: Iterator[str], load: Any, tokenizer_name: str, workers: int
-             ) -> Iterator[np.ndarray]:
-    """Each document's tokens, in order, from ``workers`` processes (1: this one), each
-    with the tokenizer ``load(tokenizer_name)`` gives (a module-level function)."""
+def _encode(record: Any) -> tuple[np.ndarray, np.ndarray | None]:
+    return _worker_encode(record)
+
+
+def _encoded(records: Iterable[Any], encoding: Encoding, workers: int
+             ) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
+    """Each record encoded, in order, by ``workers`` processes (1: this one)."""
     if workers <= 1:
-        _init_worker(load, tokenizer_name)
-        yield from map(_encode, documents)
+        _init_worker(*encoding)
+        yield from map(_encode, records)
         return
     ctx = multiprocessing.get_context("spawn")  # no forked torch state in the workers
-    with ctx.Pool(workers, _init_worker, (load, tokenizer_name)) as pool:
-        yield from pool.imap(_encode, documents, chunksize=64)
+    with ctx.Pool(workers, _init_worker, encoding) as pool:
+        yield from pool.imap(_encode, records, chunksize=64)
 
 
-def prepare(documents: Iterator[str], out: str | Path, *, load_tokenizer: Any,
-            tokenizer_name: str, source: str, workers: int = 1,
-            progress: Any = None) -> dict[str, Any]:
+def prepare(documents: Iterable[Any], out: str | Path, *, load_tokenizer: Any,
+            tokenizer_name: str, source: str, workers: int = 1, progress: Any = None,
+            rows: str = "text", encoding: Encoding | None = None) -> dict[str, Any]:
     """Tokenize ``documents`` into ``out`` (created; existing files are replaced) with
-    ``load_tokenizer(tokenizer_name)`` in each worker; ``progress(documents, tokens)`` is
-    called as they are written. Returns the metadata."""
+    ``load_tokenizer(tokenizer_name)`` in each worker, or, for fine-tuning ``rows``
+    (prompt_response, chat), the records with ``encoding``; ``progress(documents,
+    tokens)`` is called as they are written. Returns the metadata."""
     tokenizer = load_tokenizer(tokenizer_name)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
     sep = np.array([tokenizer.separator], dtype=dtype)
     ends, written = [], 0
-    with (out / TOKENS).open("wb") as f:
-        for tokens in _encoded(documents, load_tokenizer, tokenizer_name, workers):
+    encoding = encoding or (text_encoding, (load_tokenizer, tokenizer_name))
+    masked = rows != "text"
+    with (out / TOKENS).open("wb") as f, (out / LOSS_MASK).open("wb") as m:
+        for tokens, answer in _encoded(documents, encoding, workers):
             f.write(tokens.astype(dtype).tobytes())
-            f.write(sep.tobytes())
-            written += len(tokens) + 1
+            if answer is None:  # a document: the separator ends it
+                f.write(sep.tobytes())
+            else:
+                m.write(answer.astype(np.uint8).tobytes())
+            written += len(tokens) + (answer is None)
             ends.append(written)
             if progress is not None:
                 progress(len(ends), written)
+    if not masked:
+        (out / LOSS_MASK).unlink()
     np.save(out / DOCUMENTS, np.asarray(ends, dtype=np.int64))
-    meta = {"format": FORMAT, "version": VERSION, "dtype": np.dtype(dtype).name,
-            "tokens": written, "documents": len(ends), "tokenizer": tokenizer_name,
-            "vocab_size": tokenizer.vocab_size, "separator": tokenizer.separator,
-            "source": source}
+    meta = {"format": FORMAT, "version": 2 if masked else VERSION,
+            "dtype": np.dtype(dtype).name, "tokens": written, "documents": len(ends),
+            "tokenizer": tokenizer_name, "vocab_size": tokenizer.vocab_size,
+            "separator": tokenizer.separator, "source": source, "rows": rows}
     (out / META).write_text(json.dumps(meta, indent=1) + "\n")
     return meta
 
@@ -94,23 +118,34 @@ def _meta(path: Path) -> dict[str, Any]:
     return json.loads((path / META).read_text())
 
 
-def check_shards(path: Path, tokenizer_name: str | None = None) -> str | None:
+def shard_rows(path: Path) -> str:
+    """What a row of a prepared directory was: text, prompt_response or chat."""
+    return str(_meta(path).get("rows", "text"))
+
+
+def check_shards(path: Path, tokenizer_name: str | None = None,
+                 rows: str | None = None) -> str | None:
     """What is wrong with a prepared directory, or None: unreadable or foreign metadata,
-    an unknown dtype, a token file or index whose size disagrees with the metadata, a
-    tokenizer other than the one it was prepared with."""
+    an unknown dtype, a token file, loss mask or index whose size disagrees with the
+    metadata, a tokenizer other than the one it was prepared with, rows of another
+    ``data.format`` than ``rows``."""
     try:
         meta = _meta(path)
     except (OSError, ValueError) as exc:
         return f"{path / META} cannot be read ({type(exc).__name__}: {exc})"
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        return f"{path / META} is not {FORMAT} version {VERSION}"
+    if meta.get("format") != FORMAT or meta.get("version") not in VERSIONS:
+        return f"{path / META} is not {FORMAT} version {' or '.join(map(str, VERSIONS))}"
     if meta.get("dtype") not in ("uint16", "uint32"):
         return f"{path / META} names dtype {meta.get('dtype')!r}; uint16 or uint32 expected"
-    want = meta["tokens"] * np.dtype(meta["dtype"]).itemsize
-    have = (path / TOKENS).stat().st_size if (path / TOKENS).exists() else None
-    if have != want:
-        what = "is missing" if have is None else f"holds {have} bytes, not {want}"
-        return f"{path / TOKENS} {what} ({meta['tokens']} {meta['dtype']} tokens in {META})"
+    prepared_as = meta.get("rows", "text")
+    files = [(TOKENS, meta["dtype"])] + ([(LOSS_MASK, "uint8")] if prepared_as != "text"
+                                         else [])
+    for name, dtype in files:
+        want = meta["tokens"] * np.dtype(dtype).itemsize
+        have = (path / name).stat().st_size if (path / name).exists() else None
+        if have != want:
+            what = "is missing" if have is None else f"holds {have} bytes, not {want}"
+            return f"{path / name} {what} ({meta['tokens']} {dtype} tokens in {META})"
     try:
         ends = np.load(path / DOCUMENTS, mmap_mode="r")
     except (OSError, ValueError) as exc:
@@ -122,7 +157,19 @@ def check_shards(path: Path, tokenizer_name: str | None = None) -> str | None:
     if tokenizer_name is not None and meta["tokenizer"] != tokenizer_name:
         return (f"{path} was prepared with tokenizer {meta['tokenizer']!r}, not "
                 f"data.tokenizer {tokenizer_name!r}")
+    if rows is not None and prepared_as != rows:
+        return (f"{path} was prepared from {prepared_as} rows, not data.format {rows} "
+                f"(paraxis data prepare --format {prepared_as})")
     return None
+
+
+def prepared_examples(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+    """(tokens, answer mask, example ends, metadata) of a directory prepared from
+    fine-tuning rows, memory-mapped; call :func:`check_shards` first."""
+    meta = _meta(path)
+    tokens = np.memmap(path / TOKENS, dtype=meta["dtype"], mode="r")
+    answer = np.memmap(path / LOSS_MASK, dtype=np.uint8, mode="r")
+    return tokens, answer, np.load(path / DOCUMENTS, mmap_mode="r"), meta
 
 
 class TokenRows:

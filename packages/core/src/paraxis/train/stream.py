@@ -26,7 +26,8 @@ resume would not be exact.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,8 @@ import torch.distributed as dist
 
 from paraxis.train.shards import is_prepared
 
-__all__ = ["StreamBatches", "check_stream", "stream_documents", "stream_files"]
+__all__ = ["StreamBatches", "check_stream", "open_stream_shard", "stream_files",
+           "stream_records"]
 
 # suffix -> the datasets builder that reads it; .json only when nothing else is there
 # (a save_to_disk directory holds .arrow data beside .json metadata).
@@ -66,8 +68,8 @@ def stream_files(source: str) -> tuple[str, list[str]]:
     return builders.pop(), [str(p) for p in files]
 
 
-def _open(source: str, *, shard: int = 0, shards: int = 1, order_seed: int | None = None
-          ) -> Any:
+def open_stream_shard(source: str, *, shard: int = 0, shards: int = 1,
+                      order_seed: int | None = None) -> Any:
     """The streaming dataset of ``source`` (files in order, or shuffled by
     ``order_seed``), split to its ``shard``-th of ``shards``."""
     from datasets import load_dataset  # only when asked for
@@ -83,26 +85,25 @@ def _open(source: str, *, shard: int = 0, shards: int = 1, order_seed: int | Non
     return split_dataset_by_node(ds, rank=shard, world_size=shards) if shards > 1 else ds
 
 
-def check_stream(source: str, text_field: str) -> str | None:
-    """What is wrong with a streaming source, or None; reads its first document only."""
+def check_stream(source: str, row_problem: Callable[[Mapping[str, Any]], str | None]
+                 ) -> str | None:
+    """What is wrong with a streaming source, or None; reads its first row only, which
+    ``row_problem`` judges (the fields the format reads)."""
     try:
         stream_files(source)
-        first = next(iter(_open(source)), None)
+        first = next(iter(open_stream_shard(source)), None)
     except ValueError as exc:
         return str(exc)
     except Exception as exc:  # datasets' and pyarrow's own errors on a damaged file
         return f"cannot be streamed ({type(exc).__name__}: {exc})"
     if first is None:
         return "holds no rows"
-    if text_field not in first:
-        return f"has no column {text_field!r} (columns: {', '.join(first)})"
-    return None
+    return row_problem(first)
 
 
-def stream_documents(source: str, text_field: str) -> Iterator[str]:
-    """Every document of a streaming source, in order (for an eval source, or prepare)."""
-    for row in _open(source):
-        yield str(row[text_field])
+def stream_records(source: str) -> Iterator[Mapping[str, Any]]:
+    """Every row of a streaming source, in order (for an eval source, or prepare)."""
+    yield from open_stream_shard(source)
 
 
 class _ShardPacker:
@@ -121,7 +122,8 @@ class _ShardPacker:
 
     def _start(self, epoch: int, resume: dict[str, Any] | None = None) -> None:
         seed = None if self.shuffle_seed is None else self.shuffle_seed + epoch
-        self.ds = _open(self.source, shard=self.shard, shards=self.shards, order_seed=seed)
+        self.ds = open_stream_shard(self.source, shard=self.shard, shards=self.shards,
+                                    order_seed=seed)
         if resume is not None:
             self.ds.load_state_dict(resume)
         self.epoch, self.docs = epoch, iter(self.ds)
@@ -177,12 +179,19 @@ class StreamBatches:
     ``state_dict``, ``load_state_dict``), plus :meth:`gathered_state`, which a
     checkpoint needs because each rank knows only its own shards' positions."""
 
-    def __init__(self, source: str, *, tokenizer: Any, text_field: str, seq_length: int,
-                 global_batch: int, rank: int, ranks: int, shards: int | None = None,
-                 shuffle: bool = False, seed: int = 0):
+    def __init__(self, source: str, *, tokenizer: Any, text_field: str = "text",
+                 seq_length: int, global_batch: int, rank: int, ranks: int,
+                 shards: int | None = None, shuffle: bool = False, seed: int = 0,
+                 packer: Callable[..., Any] | None = None):
+        """``packer(source, shard, shards, seq_length=, shuffle_seed=)`` makes a shard's
+        packer (``rows``, ``state``, ``load``); by default documents of ``text_field``
+        joined by the tokenizer's separator and cut (fine-tuning examples:
+        :class:`paraxis.train.stream_examples.ExamplePacker`)."""
         self.rank, self.ranks, self.global_batch, self.batches = rank, ranks, global_batch, 0
-        self._packer = dict(source=source, tokenizer=tokenizer, text_field=text_field,
-                            seq_length=seq_length, shuffle_seed=seed if shuffle else None)
+        self._packer = packer or partial(_ShardPacker, tokenizer=tokenizer,
+                                         text_field=text_field)
+        self._options = dict(source=source, seq_length=seq_length,
+                             shuffle_seed=seed if shuffle else None)
         self._cut(shards or ranks)
 
     def _cut(self, shards: int) -> None:
@@ -197,13 +206,17 @@ class StreamBatches:
                 f"{shards}")
         self.shards, self.per_shard = shards, self.global_batch // shards
         mine = shards // self.ranks
-        self.packers = {s: _ShardPacker(shard=s, shards=shards, **self._packer)
+        self.packers = {s: self._packer(shard=s, shards=shards, **self._options)
                         for s in range(self.rank * mine, (self.rank + 1) * mine)}
 
-    def next_batch(self) -> torch.Tensor:
-        """This rank's share of the next global batch: (global_batch / ranks, seq)."""
+    def next_batch(self) -> Any:
+        """This rank's share of the next global batch: (global_batch / ranks, seq), a
+        tensor or (fine-tuning examples) a mapping of them."""
         self.batches += 1
-        return torch.cat([p.rows(self.per_shard) for p in self.packers.values()])
+        parts = [p.rows(self.per_shard) for p in self.packers.values()]
+        if isinstance(parts[0], Mapping):
+            return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
+        return torch.cat(parts)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shards' positions (:meth:`gathered_state` adds the others')."""

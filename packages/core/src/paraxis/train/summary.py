@@ -1,52 +1,85 @@
-"""What ``paraxis train`` shows: the console line, the progress bar, and the summary
+"""What ``paraxis train`` shows on the console (:class:`ConsoleSink`): the progress bar
+on a terminal, a plain line every ``log_every`` steps anywhere else, and the summary
 table at the end (with what the axes report through ``paraxis_summarize_run``)."""
 
 from __future__ import annotations
 
-import contextlib
 import statistics
-from collections.abc import Iterator, Sequence
+import sys
+from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["console_line", "progress", "summarize", "summary_table"]
+from paraxis.parallel.metric_names import CONSOLE_MOE
+from paraxis.parallel.sink import MetricSink
+
+__all__ = ["ConsoleSink", "console_line", "summarize", "summary_table"]
 
 
 def console_line(m: dict[str, float], steps: int) -> str:
+    """One logged step in a line: step, loss, eval, lr, tokens/s, step time, exposed
+    communication, and an MoE run's aux loss, load imbalance and dropped share."""
     held_out = (f"  eval loss {m['eval_loss']:.4f} ppl {m['eval_ppl']:.2f}"
                 if "eval_loss" in m else "")
+    moe = "".join(f"  {label} {fmt.format(m[key])}" for key, label, fmt in CONSOLE_MOE
+                  if key in m)
     return (f"step {int(m['step']):>5}/{steps}  loss {m['loss']:.4f}  "
             f"tok/s {m['tokens_per_s']:,.0f}  step {m['step_time_s'] * 1e3:.0f} ms  "
-            f"comm {m['exposed_comm_s'] * 1e3:.1f} ms  lr {m['lr']:.2e}{held_out}")
+            f"comm {m['exposed_comm_s'] * 1e3:.1f} ms  lr {m['lr']:.2e}{held_out}{moe}")
 
 
-@contextlib.contextmanager
-def progress(enabled: bool, total: int, done: int) -> Iterator[Any]:
-    if not enabled:
-        yield None
-        return
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
+class ConsoleSink(MetricSink):
+    """The console: a rich progress bar when stdout is a terminal and
+    ``logging.progress`` is on; otherwise (nohup, SLURM, ``| tee``: issue 38) a plain
+    line per logged step, flushed at once, so a file shows the run while it goes."""
 
-    columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("loss {task.fields[loss]}  eval {task.fields[eval]}  "
-                          "tok/s {task.fields[tps]}"),
-               TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
-    with Progress(*columns, transient=False) as bar:
-        task = bar.add_task("train", total=total, completed=done, loss="-", eval="-",
-                            tps="-")
+    name = "console"
 
-        def update(m: dict[str, float]) -> None:
-            held_out = {"eval": f"{m['eval_loss']:.4f}"} if "eval_loss" in m else {}
-            bar.update(task, completed=int(m["step"]), loss=f"{m['loss']:.4f}",
-                       tps=f"{m['tokens_per_s']:,.0f}", **held_out)
+    def __init__(self, steps: int, *, progress: bool = True, stream: Any = None):
+        self.steps = steps
+        stream = sys.stdout if stream is None else stream
+        self.bar_wanted = progress and bool(getattr(stream, "isatty", lambda: False)())
+        self._bar: Any = None
+        self._task: Any = None
 
-        yield update
+    def start(self, config: Any, grid: dict[str, Any], first_step: int) -> None:
+        if not self.bar_wanted:
+            return
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("loss {task.fields[loss]}  eval {task.fields[eval]}  "
+                              "tok/s {task.fields[tps]}"),
+                   TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
+        self._bar = Progress(*columns, transient=False)
+        self._task = self._bar.add_task("train", total=self.steps, completed=first_step,
+                                        loss="-", eval="-", tps="-")
+        self._bar.start()
+
+    def step(self, m: dict[str, float]) -> None:
+        if self._bar is None:
+            return
+        held_out = {"eval": f"{m['eval_loss']:.4f}"} if "eval_loss" in m else {}
+        self._bar.update(self._task, completed=int(m["step"]), loss=f"{m['loss']:.4f}",
+                         tps=f"{m['tokens_per_s']:,.0f}", **held_out)
+
+    def metrics(self, step: int, m: dict[str, float]) -> None:
+        if self._bar is None:
+            print(console_line(m, self.steps), flush=True)
+
+    def end(self, summary: dict[str, float] | None,
+            rows: Sequence[tuple[str, str]] = ()) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+        if summary is not None:
+            summary_table(summary, rows)
 
 
 def _fmt(key: str, value: float) -> str:
@@ -89,7 +122,7 @@ def summarize(history: list[dict[str, float]], wall: float, steps: int) -> dict[
         "straggler_spread_s": max(m["straggler_spread_s"] for m in steady),
         "wall_time_s": wall,
     }
-    # Exposed communication per axis group (comm/<axes>_exposed_s), median over steps.
+    # Exposed communication per group (comm/<group>_exposed_s), median over steps.
     for key in sorted(k for k in history[-1] if k.startswith("comm/")
                       and k.endswith("_exposed_s")):
         out[key] = statistics.median(m.get(key, 0.0) for m in steady)
