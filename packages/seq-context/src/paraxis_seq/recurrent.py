@@ -87,13 +87,14 @@ def unpassable(model: nn.Module, anatomy: Anatomy) -> str | None:
     passing = recurrent_mixers(anatomy)
     calls = dict(anatomy.mixer_calls)
     held = dict(model.named_modules())
-    around = [*passing, *(anatomy.layer_name(i) for i in range(anatomy.num_layers))]
+    layers = [anatomy.layer_name(i) for i in range(anatomy.num_layers)]
     inline: dict[str, str] = {}
     for name in anatomy.mixers:
         module = held.get(name)
         if module is None or name in passing or is_norm(module) or \
-                _INTERFACE in calls.get(name, ()) or \
-                any(name == p or _contains(p, name) or _contains(name, p) for p in around):
+                _INTERFACE in calls.get(name, ()) or name in layers or \
+                any(_contains(p, name) or _contains(name, p) for p in passing) or \
+                any(_contains(name, p) for p in layers):
             continue
         inline.setdefault(type(module).__name__, name)
     if not inline:

@@ -38,7 +38,7 @@ from paraxis.runtime.collectives import gather_along
 from paraxis.runtime.differentiable import all_gather
 
 __all__ = ["ChunkLayout", "carried", "document_runs", "entering_states", "gather_chunks",
-           "halo_mask", "joined"]
+           "halo_mask", "joined", "preceding"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,9 +147,22 @@ def carried(ids: list[torch.Tensor], chunks: ChunkLayout) -> list[torch.Tensor |
     return [None] + [edges[k][:, 0] == edges[k - 1][:, -1] for k in range(1, chunks.total)]
 
 
-def halo_mask(ids: list[torch.Tensor], chunks: ChunkLayout,
-              width: int) -> list[torch.Tensor | None]:
-    """Per chunk of the sequence, (rows, width) bool: which of the previous chunk's last
-    ``width`` tokens are in the document this chunk starts with (None for the first)."""
-    edges = _edges(ids, chunks, width)
-    return [None] + [edges[k - 1][:, 1:] == edges[k][:, :1] for k in range(1, chunks.total)]
+def preceding(parts: list[torch.Tensor], chunk: int, width: int, fill: float = 0,
+              ) -> torch.Tensor:
+    """The last ``width`` columns (last dim) before ``chunk``: the chunks before it
+    contribute their ``parts`` (each chunk's last columns) in order, and what lies
+    before the sequence is ``fill``; a chunk shorter than ``width`` reaches further back
+    (four context ranks cut a 16-token probe into chunks of 2 for a 4-tap convolution)."""
+    last = parts[0].new_full((*parts[0].shape[:-1], width), fill)
+    return torch.cat([last, *parts[:chunk]], dim=-1)[..., -width:]
+
+
+def halo_mask(ids: list[torch.Tensor], chunks: ChunkLayout, width: int,
+              keep: int) -> list[torch.Tensor | None]:
+    """Per chunk of the sequence, (rows, width) bool: which of the ``width`` tokens
+    before it are in the document it starts with (None for the first chunk); each
+    chunk's last ``keep`` tokens' ids are exchanged."""
+    edges = _edges(ids, chunks, keep)
+    tails = [e[:, 1:] for e in edges]
+    return [None] + [preceding(tails, k, width, fill=-2) == edges[k][:, :1]
+                     for k in range(1, chunks.total)]

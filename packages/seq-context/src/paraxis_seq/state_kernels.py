@@ -44,6 +44,7 @@ from paraxis_seq.state_exchange import (
     gather_chunks,
     halo_mask,
     joined,
+    preceding,
 )
 
 __all__ = ["ConvolutionHalo", "MixerCall", "SelectiveScan", "StateScan", "refuse_step"]
@@ -270,7 +271,7 @@ class SelectiveScan(StateScan):
 @dataclasses.dataclass(frozen=True)
 class ConvolutionHalo(_Chunked):
     """``causal_conv1d_fn(x (b, channels, s), weight (channels, k), bias, activation)``:
-    each chunk convolves the previous chunk's last ``k-1`` inputs before its own (zero
+    each chunk convolves the ``k-1`` inputs before it (from the chunks before it; zero
     before the sequence and across a document's start) and keeps its own outputs."""
 
     inputs: tuple[str, ...] = ("hidden_states",)
@@ -284,15 +285,12 @@ class ConvolutionHalo(_Chunked):
         length = pieces[0]["hidden_states"].shape[-1]
         if width == 0:
             return original(**named)
-        if length < width:
-            raise ValueError(f"{original.__name__}: a layout chunk of {length} tokens is "
-                             f"shorter than the convolution's {width + 1} taps; use a "
-                             "longer sequence or fewer context ranks")
-        tails = gather_chunks([p["hidden_states"][..., -width:] for p in pieces], call.chunks)
-        masks = None if ids is None else halo_mask(ids, call.chunks, width)
+        keep = min(width, length)  # a chunk shorter than the halo: reach further back
+        tails = gather_chunks([p["hidden_states"][..., -keep:] for p in pieces], call.chunks)
+        masks = None if ids is None else halo_mask(ids, call.chunks, width, keep)
         outs = []
         for j, chunk in enumerate(held):
-            before = tails[chunk - 1] if chunk else torch.zeros_like(tails[0])
+            before = preceding(tails, chunk, width)
             if masks is not None and chunk:
                 before = before * masks[chunk].unsqueeze(1).to(before.dtype)
             outs.append(self.convolve(original, pieces[j], before,

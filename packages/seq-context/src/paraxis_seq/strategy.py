@@ -133,6 +133,9 @@ class ContextParallelStrategy(Strategy):
             chunk.config.use_cache = False  # a cache would hold one shard's keys
         ctx.batch_transforms.append(SequenceSplit(group.size, group.rank, layout, documents,
                                                   own_positions(model)))
+        if passed:  # issue 35: every mixer of such a model masks or resets at documents
+            ctx.documents_kept = ("context parallel: attention masks by document ids, "
+                                  f"{len(passed)} recurrent layers reset their state")
         ctx.extras["context"] = _Applied(mode, layout, names[0], group, tuple(passed))
         return model
 
