@@ -14,9 +14,11 @@ import contextlib
 
 import pytest
 import torch
+import torch.distributed as dist
 from hf_parity import compare
 
 import paraxis
+from paraxis.config.errors import ConfigError
 from paraxis.engine.probe import ParityError
 from paraxis.testing.parity import assemble, assert_same_gradients, local_gradients
 from paraxis.testing.tolerance import STEP_RTOL, assert_losses_close, gradient_errors
@@ -182,3 +184,25 @@ def test_a_boundary_state_from_the_wrong_rank_fails(worlds):
     assert errors[worst] > 100 * STEP_RTOL, (worst, errors[worst])
     refused = worlds.run(2, planted_gradients, {"context": 2}, True, True)
     assert all(isinstance(r, str) for r in refused), refused
+
+
+# ---- bad input: a recurrence no kernel boundary lets paraxis pass -------------------
+
+def test_a_state_that_cannot_be_passed_is_refused_before_any_process_group():
+    """MiniMax's lightning attention computes its recurrence in the module's own code:
+    parallelize refuses it from the module alone, naming the module and why, with no
+    process group created (one process, no ``worlds``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+            "minimax", hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, num_hidden_layers=2, vocab_size=128, num_local_experts=2,
+            intermediate_size=32))
+    with pytest.raises(ConfigError) as err:
+        paraxis.parallelize(model, context=2, train={"seq_length": SEQ})
+    text = str(err.value)
+    for part in ("parallelism.context", "MiniMaxLightningAttention (model.layers",
+                 "not through a kernel function", "without the context axis"):
+        assert part in text, text
+    assert not dist.is_initialized()
