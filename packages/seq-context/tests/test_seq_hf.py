@@ -80,6 +80,7 @@ def test_one_process_matches_sdpa(family, mode):
     ("minimax", "MiniMaxLightningAttention (model.layers.1.self_attn)"),
     ("recurrent_gemma", "RecurrentGemmaRglru"),
     ("xlstm", "mix the sequence in their own code"),
+    ("inkling_text", "InklingAttention (model.layers.0.self_attn) passes position_bias="),
     ("gpt2", "attn_pdrop=0.1: attention dropout"),
     ("gemma3", "sub-models ['vision_config']"),
 ])

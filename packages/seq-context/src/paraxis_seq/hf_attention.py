@@ -45,6 +45,7 @@ config fields and module class names: they are a conservative heuristic, not a p
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -199,6 +200,9 @@ def interceptable(model: nn.Module, anatomy: Anatomy | None = None) -> str | Non
     reason = unpassable(model, anatomy)  # a recurrence whose state cannot be passed
     if reason is not None:
         return reason
+    biased = _biased_attention(model, anatomy)
+    if biased:
+        return biased
     if not anatomy.has_attention and not recurrent_mixers(anatomy):
         return "no attention module found: the model mixes the sequence some other way"
     unchunked = _chunked_layers_unknown(model, anatomy)
@@ -207,6 +211,20 @@ def interceptable(model: nn.Module, anatomy: Anatomy | None = None) -> str | Non
     for field in _DROPOUT_FIELDS:
         if getattr(cfg, field, 0) or 0:
             return f"config.{field}={getattr(cfg, field)}: " + DROPOUT_REFUSED
+    return None
+
+
+def _biased_attention(model: nn.Module, anatomy: Anatomy) -> str | None:
+    """An attention module handing the interface a position bias from its own code
+    (Inkling's learned relative bias): refused here, before any process group, rather
+    than at the first step (a hybrid's layer kinds no longer refuse it first)."""
+    held = dict(model.named_modules())
+    for name, calls in anatomy.mixer_calls:
+        forward = getattr(type(held.get(name)), "forward", None)
+        if "eager_attention_forward" in calls and forward is not None and \
+                "position_bias=" in inspect.getsource(forward):
+            return (f"{type(held[name]).__name__} ({name}) passes position_bias= to the "
+                    "attention function: " + _UNSUPPORTED_KWARGS["position_bias"])
     return None
 
 
