@@ -51,6 +51,18 @@ def test_recurrent_context_matches_one_process(worlds, family, degrees, options)
             batch=BATCH, **options)
 
 
+@pytest.mark.parametrize(("degrees", "options"), [
+    pytest.param({"context": 2, "tensor": 2}, {"sequence_parallel": True}, id="tensor2-sp"),
+    pytest.param({"context": 2, "pipeline": 2}, {"microbatches": 2}, id="pipeline2"),
+])
+def test_state_passing_composes(worlds, degrees, options):
+    """Qwen3-Next (gated delta rule, attention, MoE): under tensor 2 + SP each tensor rank
+    passes the states of its own heads, gathered from the sequence-parallel shards; under
+    pipeline 2 each stage wraps the mixers it holds, per microbatch."""
+    compare(worlds, "qwen3_next", degrees, overrides=FAMILIES["qwen3_next"], steps=STEPS,
+            seq=SEQ, batch=BATCH, **options)
+
+
 # ---- packed documents: the state resets where a document starts --------------------
 
 DOC_SEQ, DOC_VOCAB = 16, 128
