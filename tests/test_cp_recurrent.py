@@ -41,6 +41,9 @@ FAMILIES = {
 LAYOUTS = [
     pytest.param({"context": 2}, {}, id="ring2"),
     pytest.param({"context": 4}, {}, id="ring4"),
+    # Ulysses: attention's heads split (4 over 2), recurrent layers pass their state over
+    # contiguous shards; Mamba has no attention, only the layout differs.
+    pytest.param({"context": 2}, {"context_mode": "ulysses"}, id="ulysses2"),
 ]
 
 
