@@ -17,10 +17,8 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -33,13 +31,15 @@ from pydantic import (
 
 from paraxis.config.axes import BUILTIN_AXES, AxisTable
 from paraxis.config.errors import ConfigError, Problem
-from paraxis.config.text import expand_env, problem_from_pydantic
+from paraxis.config.text import nearest, problem_from_pydantic, read_config
 
 __all__ = [
     "AXES",
     "PIPELINE_SCHEDULES",
     "SAMPLE_AXES",
+    "SPLIT_BACKWARD_SCHEDULES",
     "TOKEN_AXES",
+    "V_SCHEDULES",
     "CheckpointConfig",
     "MoEConfig",
     "Offload",
@@ -59,7 +59,13 @@ TOKEN_AXES: tuple[str, ...] = BUILTIN_AXES.token_axes
 SAMPLE_AXES: tuple[str, ...] = BUILTIN_AXES.sample_axes
 # The pipeline schedules paraxis-pp-schedules builds (its registry is checked against
 # this list in its tests; the planner and the config read it from here).
-PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1")
+PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1",
+                                       "zbv", "dualpipev")
+# Those placing two chunks per rank in a V (rank r: stages r and 2p-1-r), and those
+# splitting a backward into input and weight gradients (an axis whose backward cannot
+# run in two passes refuses these); paraxis-pp-schedules' tests check both.
+V_SCHEDULES: tuple[str, ...] = ("zbv", "dualpipev")
+SPLIT_BACKWARD_SCHEDULES: tuple[str, ...] = ("zero_bubble_h1", "zbv", "dualpipev")
 
 
 class _Section(BaseModel):
@@ -111,6 +117,11 @@ class Parallelism(_Section):
     # ZeRO-3: units (layers) gathered ahead of the running one in forward and behind it
     # in backward; 0 gathers each unit only when it runs. Each adds a unit's bytes.
     zero_prefetch: int = Field(default=1, ge=0)
+    # Hybrid sharding (HSDP, issue 36): ZeRO over groups of this many data ranks, the
+    # data/zero_shard groups holding replicas of the same shards (reduce-scatter and
+    # gathers inside a group, the shards' gradients all-reduced across groups). None
+    # shards over every data rank. It must divide data.
+    zero_shard: PositiveInt | None = None
     # The dtype gradients travel in on the data and ZeRO reductions: fp32 (gradients
     # are fp32 under every precision, see train.precision), or bf16 to halve the bytes
     # (each rank's gradient rounded to bf16 before the sum, the sum rounded once more).
@@ -128,7 +139,7 @@ class ScheduleConfig(_Section):
     microbatches: PositiveInt = 1
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     pipeline_schedule: Literal[PIPELINE_SCHEDULES] = "1f1b"  # type: ignore[valid-type]
-    virtual_stages: PositiveInt = 1  # model chunks per pipeline rank (interleaved)
+    virtual_stages: PositiveInt = 1  # model chunks per pipeline rank (interleaved; V: 2)
     # First layer of each stage after the first; None: balance by estimated cost.
     pipeline_split: list[int] | None = None
 
@@ -221,7 +232,7 @@ class ParallelConfig(_Section):
         try:
             return cls.model_validate(dict(data))
         except ValidationError as exc:
-            raise ConfigError([problem_from_pydantic(e) for e in exc.errors()]) from None
+            raise ConfigError([problem_from_pydantic(e, cls) for e in exc.errors()]) from None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ParallelConfig:
@@ -249,10 +260,10 @@ class ParallelConfig(_Section):
             elif key in owners:
                 sections[owners[key]][key] = value
             else:
-                unknown.append(
-                    Problem(key, value, "is not a configuration option",
-                            f"use one of {sorted(owners)}")
-                )
+                near = nearest(key, [*owners, *sections])
+                unknown.append(Problem(key, value, "is not a configuration option",
+                                       f"write {near} (the nearest option)" if near else
+                                       f"use one of {sorted(owners)}"))
         if unknown:
             raise ConfigError(unknown)
         return cls.from_dict(sections)
@@ -265,10 +276,5 @@ class ParallelConfig(_Section):
         Sections other than the three above (``model``, ``train``...) are ignored here:
         they belong to the engine's own configuration.
         """
-        text = expand_env(Path(path).read_text(), os.environ if env is None else env,
-                          source=str(path))
-        raw = yaml.safe_load(text) or {}
-        if not isinstance(raw, dict):
-            raise ConfigError([Problem(str(path), type(raw).__name__, "must be a YAML mapping",
-                                       "write sections such as 'parallelism:' at top level")])
+        raw = read_config(path, os.environ if env is None else env)
         return cls.from_dict({k: raw[k] for k in cls.model_fields if k in raw})
