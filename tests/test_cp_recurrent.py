@@ -54,6 +54,21 @@ def test_recurrent_context_matches_one_process(worlds, family, degrees, options)
             batch=BATCH, **options)
 
 
+def test_state_passing_under_recomputation(worlds):
+    """Full activation checkpointing recomputes each layer in backward: the wrapped mixer
+    runs again, with its all-gathers, on every rank alike (Bamba, context 2)."""
+    compare(worlds, "bamba", {"context": 2}, overrides=FAMILIES["bamba"], steps=STEPS,
+            seq=SEQ, batch=BATCH, activation_checkpointing="full")
+
+
+def test_state_passing_in_bf16(worlds):
+    """bf16 with plain SGD against one process in bf16 (the precision tolerances,
+    weights after the steps): states and transitions are exchanged in the dtype the
+    model's kernels return them in, not cast (Qwen3-Next, context 2)."""
+    compare(worlds, "qwen3_next", {"context": 2}, overrides=FAMILIES["qwen3_next"], steps=8,
+            seq=SEQ, batch=BATCH, recipe={"precision": "bf16", "optimizer": "sgd"})
+
+
 @pytest.mark.parametrize(("degrees", "options"), [
     pytest.param({"context": 2, "tensor": 2}, {"sequence_parallel": True}, id="tensor2-sp"),
     pytest.param({"context": 2, "pipeline": 2}, {"microbatches": 2}, id="pipeline2"),
