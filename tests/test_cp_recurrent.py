@@ -85,9 +85,9 @@ def test_state_passing_composes(worlds, degrees, options):
 
 DOC_SEQ, DOC_VOCAB = 16, 128
 # Documents per packed row: starts inside a rank's chunk (5, 9, 3), on a chunk's edge
-# (12: zigzag over 2 ranks cuts at 4, 8, 12) and none (16); one shorter than the
-# convolution's 4 taps (3).
-DOC_ROWS = ((5, 7, 4), (9, 7), (3, 6, 7), (16,))
+# (12: zigzag over 2 ranks cuts at 4, 8, 12; 8: contiguous shards over 2 cut there too)
+# and none (16); one shorter than the convolution's 4 taps (3).
+DOC_ROWS = ((5, 7, 4), (9, 7), (3, 6, 7), (16,), (8, 8))
 
 
 def packed_and_padded():
@@ -109,30 +109,50 @@ def packed_and_padded():
             {"input_ids": padded, "labels": labels})
 
 
+# The reference pads each document to a row of its own, and a router's load-balancing
+# loss counts pad tokens: Qwen3-Next's packed and padded rows agree only without it.
+DOC_OVERRIDES = {"bamba": {}, "qwen3_next": {"router_aux_loss_coef": 0.0}, "mamba": {}}
+
+
 def documents_run(family, degrees, packed):
     """(eval loss, this rank's first gradients) of the packed rows (or, ``packed`` False,
-    the padded ones), its share of them where samples are split."""
+    the padded ones), its share of them where samples are split; where a step refuses,
+    its message."""
     batch = packed_and_padded()[0 if packed else 1]
-    model = build_debug_model(family, **FAMILIES[family])
+    model = build_debug_model(family, **FAMILIES[family], **DOC_OVERRIDES[family])
     engine = paraxis.parallelize(model, **degrees, train={"seq_length": DOC_SEQ})
     index, count = engine.grid.sample_shard()
     rows = batch["input_ids"].shape[0]
     share = {k: v[index * rows // count:(index + 1) * rows // count] for k, v in batch.items()}
-    out = engine.eval_step(share), local_gradients(engine, share)
+    try:
+        out = engine.eval_step(share), local_gradients(engine, share)
+    except ValueError as exc:
+        out = str(exc)
     engine.close()
     return out
 
 
-@pytest.mark.parametrize("mode", ["ring", "ulysses"])
-def test_packed_documents_reset_the_state(worlds, mode):
-    """Bamba's packed rows under context 2 give the loss and every parameter's gradient of
-    its documents run one per padded row in one process; one process cannot take the
-    packed rows itself (its Mamba layers would carry the state across documents)."""
-    ((want, ref_grads),) = worlds.run(1, documents_run, "bamba", {}, False)
-    out = worlds.run(2, documents_run, "bamba", {"context": 2, "context_mode": mode}, True)
+@pytest.mark.parametrize(("family", "mode"), [("bamba", "ring"), ("bamba", "ulysses"),
+                                              ("qwen3_next", "ring")])
+def test_packed_documents_reset_the_state(worlds, family, mode):
+    """Packed rows under context 2 give the loss and every parameter's gradient of their
+    documents run one per padded row in one process (Bamba: Mamba-2 and its convolution;
+    Qwen3-Next: the gated delta rule); one process cannot take the packed rows itself
+    (its recurrent layers would carry the state across documents)."""
+    ((want, ref_grads),) = worlds.run(1, documents_run, family, {}, False)
+    out = worlds.run(2, documents_run, family, {"context": 2, "context_mode": mode}, True)
     for loss, _ in out:
         assert_losses_close([loss], [want], "packed rows against one document per row")
     assert_same_gradients([g for _, g in out], ref_grads)
+
+
+def test_a_mixer_not_handed_document_ids_refuses_packed_rows(worlds):
+    """Mamba's layers call their mixer without keywords, so the document ids never reach
+    it: the first packed step under context 2 refuses with the reason instead of
+    carrying the state across documents."""
+    out = worlds.run(2, documents_run, "mamba", {"context": 2}, True)
+    for why in out:
+        assert isinstance(why, str) and "MambaMixer was not handed" in why, why
 
 
 def one_process_refuses_packed_rows():
