@@ -23,6 +23,7 @@ from paraxis.engine.probe import ParityError
 from paraxis.testing.parity import assemble, assert_same_gradients, local_gradients
 from paraxis.testing.tolerance import STEP_RTOL, assert_losses_close, gradient_errors
 from paraxis_hf import build_debug_model
+from paraxis_seq.recurrent import ModelCall
 
 STEPS, SEQ, BATCH = 20, 128, 4
 FAMILIES = {
@@ -133,11 +134,12 @@ def documents_run(family, degrees, packed):
 
 
 @pytest.mark.parametrize(("family", "mode"), [("bamba", "ring"), ("bamba", "ulysses"),
-                                              ("qwen3_next", "ring")])
+                                              ("qwen3_next", "ring"), ("mamba", "ring")])
 def test_packed_documents_reset_the_state(worlds, family, mode):
     """Packed rows under context 2 give the loss and every parameter's gradient of their
     documents run one per padded row in one process (Bamba: Mamba-2 and its convolution;
-    Qwen3-Next: the gated delta rule); one process cannot take the packed rows itself
+    Qwen3-Next: the gated delta rule; Mamba, whose layers call their mixer without
+    keywords: the ids of the model call reach it); one process cannot take the packed rows itself
     (its recurrent layers would carry the state across documents)."""
     ((want, ref_grads),) = worlds.run(1, documents_run, family, {}, False)
     out = worlds.run(2, documents_run, family, {"context": 2, "context_mode": mode}, True)
@@ -146,13 +148,34 @@ def test_packed_documents_reset_the_state(worlds, family, mode):
     assert_same_gradients([g for _, g in out], ref_grads)
 
 
-def test_a_mixer_not_handed_document_ids_refuses_packed_rows(worlds):
-    """Mamba's layers call their mixer without keywords, so the document ids never reach
-    it: the first packed step under context 2 refuses with the reason instead of
-    carrying the state across documents."""
-    out = worlds.run(2, documents_run, "mamba", {"context": 2}, True)
-    for why in out:
-        assert isinstance(why, str) and "MambaMixer was not handed" in why, why
+def test_a_recomputation_under_a_pipeline_refuses_the_model_calls_ids():
+    """Mixers their family calls without keywords (Mamba's) take the document ids of
+    the model call that runs them (paraxis_seq.recurrent.ModelCall); in backward under a
+    pipeline schedule that call may be another microbatch's, so it refuses there, and
+    takes them everywhere else."""
+    ids = torch.zeros(2, 4)
+    hidden = torch.ones(2, 4, 3, requires_grad=True)
+    seen = {}
+
+    def in_backward(call, grad):
+        try:
+            seen[call.pipelined] = call.documents("MambaMixer", hidden)
+        except ValueError as exc:
+            seen[call.pipelined] = str(exc)
+        return grad
+
+    for pipelined in (False, True):
+        call = ModelCall(pipelined)
+        call.ids = ids
+        assert call.documents("MambaMixer", hidden) is ids  # in the forward
+        out = hidden * 2
+        out.register_hook(lambda grad, call=call: in_backward(call, grad))
+        out.sum().backward()
+    assert seen[False] is ids
+    assert isinstance(seen[True], str), seen[True]
+    assert "recomputed in backward under a pipeline schedule" in seen[True], seen[True]
+    with pytest.raises(ValueError, match=r"do not cover its input \(2, 5\)"):
+        call.documents("MambaMixer", torch.ones(2, 5, 3))
 
 
 def one_process_refuses_packed_rows():

@@ -28,6 +28,7 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 from paraxis.parallel.anatomy import Anatomy, is_norm
@@ -42,8 +43,8 @@ from paraxis_seq.state_kernels import (
     refuse_step,
 )
 
-__all__ = ["FUSED", "LAYER_KINDS", "PASSED", "STEPS", "recurrent_mixers", "unpassable",
-           "use_state_passing"]
+__all__ = ["FUSED", "LAYER_KINDS", "PASSED", "STEPS", "ModelCall", "recurrent_mixers",
+           "unpassable", "use_state_passing"]
 
 _DELTA_RULE = StateScan(inputs=("query", "key", "value", "g", "beta"), zeroed="value",
                         state="initial_state", final="output_final_state",
@@ -111,12 +112,15 @@ def _contains(outer: str, inner: str) -> bool:
 
 
 def use_state_passing(model: nn.Module, group: Any, *, anatomy: Anatomy,
-                      layout: str = "zigzag", documents: Any = None) -> tuple[str, ...]:
+                      layout: str = "zigzag", documents: Any = None,
+                      pipelined: bool = False) -> tuple[str, ...]:
     """Wrap every passing mixer ``model`` (a whole model or one pipeline chunk) holds;
     returns their names. ``documents`` (paraxis_seq.strategy.DocumentState) says when a
-    step's batch carries document ids, so a mixer the family does not hand them to is
-    an error, not a state leaking across documents."""
+    step's batch carries document ids, so a mixer that gets none is an error, not a
+    state leaking across documents. ``pipelined``: a schedule may run other microbatches'
+    forwards before a recomputation (see :class:`ModelCall`)."""
     chunks = ChunkLayout(group, layout)
+    call = ModelCall(pipelined)
     wrapped = []
     for name, kernels in recurrent_mixers(anatomy).items():
         try:
@@ -125,12 +129,14 @@ def use_state_passing(model: nn.Module, group: Any, *, anatomy: Anatomy,
             continue
         if stands_in(module):
             continue
-        module.forward = StatePassing(module, kernels, chunks, documents)
+        module.forward = StatePassing(module, kernels, chunks, documents, call)
         for child in module.modules():
             if isinstance(child, nn.Conv1d):
                 child.register_forward_pre_hook(functools.partial(_conv_called, name))
         module.paraxis_context = f"state passed across ranks ({', '.join(kernels)})"
         wrapped.append(name)
+    if wrapped:
+        model.register_forward_pre_hook(call.record, with_kwargs=True)
     return tuple(wrapped)
 
 
@@ -140,25 +146,55 @@ def _conv_called(mixer: str, module: nn.Module, args: Any) -> None:
                      "only this rank's shard")
 
 
+class ModelCall:
+    """The document ids of the latest call of the model (or pipeline chunk) holding the
+    mixers: how they reach a mixer its family calls without keywords (Mamba's, Jamba's
+    layers call ``mixer(hidden_states, cache, attention_mask)``). A mixer runs inside
+    that call, or in backward when its layer is recomputed: one process's step runs each
+    microbatch's backward before the next forward, so the ids are still its own; a
+    pipeline schedule may run later forwards first, so a recomputation there refuses."""
+
+    def __init__(self, pipelined: bool) -> None:
+        self.pipelined, self.ids = pipelined, None
+
+    def record(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        self.ids = kwargs.get(DOC_IDS_KWARG)
+
+    def documents(self, owner: str, hidden: Any) -> Any:
+        if self.ids is None:
+            raise ValueError(
+                f"{owner} got no document ids ({DOC_IDS_KWARG}), nor did the model call "
+                "that ran it: context parallelism cannot reset its state at padding or "
+                "packed documents; train it without padding and packing, or without the "
+                "context axis")
+        if self.pipelined and torch._C._current_graph_task_id() != -1:
+            raise ValueError(
+                f"{owner} is recomputed in backward under a pipeline schedule and its "
+                f"family does not hand it the document ids ({DOC_IDS_KWARG}): the latest "
+                "stage call may be another microbatch's; turn activation checkpointing "
+                "off, or train without padding and packing")
+        if tuple(hidden.shape[:2]) != tuple(self.ids.shape):
+            raise ValueError(f"{owner}: the model call's document ids {tuple(self.ids.shape)} "
+                             f"do not cover its input {tuple(hidden.shape[:2])}")
+        return self.ids
+
+
 class StatePassing:
     """The forward of a mixer whose kernel functions, while it runs, are the adapters of
     :data:`PASSED` (and :data:`FUSED` / :data:`STEPS` stand-ins) bound to this call."""
 
     def __init__(self, module: nn.Module, kernels: tuple[str, ...], chunks: ChunkLayout,
-                 documents: Any = None) -> None:
+                 documents: Any = None, model_call: ModelCall | None = None) -> None:
         self.forward, self.chunks, self.documents = module.forward, chunks, documents
-        self.owner = type(module).__name__
+        self.owner, self.model_call = type(module).__name__, model_call or ModelCall(False)
         self.kernels = [(scope, name, scope[name]) for name in kernels
                         for scope in _scopes(type(module), name)]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         documents = kwargs.pop(DOC_IDS_KWARG, None)
         if documents is None and getattr(self.documents, "expected", False):
-            raise ValueError(
-                f"{self.owner} was not handed the batch's document ids ({DOC_IDS_KWARG}): "
-                "this family does not pass keywords on to its mixers, so context "
-                "parallelism cannot reset its state at padding or packed documents; train "
-                "it without padding and packing, or without the context axis")
+            hidden = args[0] if args else next(iter(kwargs.values()))
+            documents = self.model_call.documents(self.owner, hidden)
         call = MixerCall(self.chunks, documents)
         with _swapped([(scope, name, _adapter(name, original, call))
                        for scope, name, original in self.kernels]):

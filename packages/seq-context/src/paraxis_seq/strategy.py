@@ -129,7 +129,8 @@ class ContextParallelStrategy(Strategy):
             names.append(use_context_attention(chunk, group, anatomy=ctx.anatomy, mode=mode,
                                                layout=layout, documents=documents))
             passed += use_state_passing(chunk, group, anatomy=ctx.anatomy, layout=layout,
-                                        documents=documents)
+                                        documents=documents,
+                                        pipelined=ctx.config.parallelism.pipeline > 1)
             chunk.config.use_cache = False  # a cache would hold one shard's keys
         ctx.batch_transforms.append(SequenceSplit(group.size, group.rank, layout, documents,
                                                   own_positions(model)))
