@@ -14,6 +14,9 @@ Three sections of ``benchmarks/RESULTS.md``:
   (the attention compute: gloo moves bytes on its own threads and a rank waiting for a
   receive sleeps), the seconds it sat blocked on the ring's receives (exposed
   communication) and the step's wall time.
+* **cp_hybrid_activations**: the same bytes for a hybrid of Mamba-2 and attention layers
+  (Bamba from config, the Llama's sizes), whose Mamba layers pass their state across the
+  context ranks (issue 35: :mod:`paraxis_seq.recurrent`).
 * **cp_bytes**: the engine's ``comm/context_bytes`` metric per rank per training step,
   ring and Ulysses, against the analytic volumes.
 """
@@ -39,7 +42,7 @@ from paraxis_seq import ring_attention, shard
 from paraxis_seq.ulysses import kv_replication
 
 HEADS, KV_HEADS = 8, 4  # common.build_llama's
-SECTIONS = ("cp_activations", "cp_bytes", "cp_ring_balance")
+SECTIONS = ("cp_activations", "cp_bytes", "cp_ring_balance", "cp_hybrid_activations")
 
 
 def parse() -> argparse.Namespace:
@@ -80,6 +83,37 @@ def engine_run(args: argparse.Namespace, context: int, mode: str) -> dict[str, f
     return result
 
 
+def build_hybrid(args: argparse.Namespace) -> torch.nn.Module:
+    """Bamba at the Llama's sizes: Mamba-2 layers (heads of 32 channels, state 16,
+    expand 1, scan chunks of 64) and attention as the last layer."""
+    from paraxis_hf import build_debug_model
+
+    heads = args.hidden // 32
+    return build_debug_model(
+        "bamba", hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3 // 8 * 8,
+        num_hidden_layers=args.layers, attn_layer_indices=[args.layers - 1],
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=args.hidden // HEADS,
+        vocab_size=256, max_position_embeddings=args.seq, mamba_n_heads=heads,
+        mamba_d_head=32, mamba_d_state=16, mamba_expand=1, mamba_chunk_size=64)
+
+
+def hybrid_run(args: argparse.Namespace, context: int, mode: str) -> dict[str, float]:
+    """Saved bytes of one forward + loss of the hybrid (no training steps)."""
+    engine = paraxis.parallelize(build_hybrid(args), context=context, context_mode=mode,
+                                 train={"seq_length": args.seq})
+    passed = engine.ctx.extras["context"].recurrent if context > 1 else ()
+    ids = torch.randint(0, 256, (1, args.seq), generator=torch.Generator().manual_seed(0))
+    batch = Batch.from_user(ids)
+    for transform in engine.ctx.batch_transforms:
+        batch = transform(batch)
+    with SavedActivations(exclude=engine.model.parameters()) as saved:
+        out = engine.model(batch.input_ids, **batch.model_kwargs(), use_cache=False)
+        loss, _ = causal_lm_loss_sum(out.logits, batch.targets)
+    del out, loss
+    engine.close()
+    return {"saved_bytes": float(saved.bytes), "passed": len(passed)}
+
+
 def ring_run(args: argparse.Namespace, layout: str) -> dict[str, float]:
     """Median per-rank wall, thread CPU and blocked seconds of one ring layer fwd+bwd."""
     size = dist.get_world_size()
@@ -116,6 +150,47 @@ def measure_engines(args: argparse.Namespace) -> dict[tuple[int, str], list[dict
             for mode in ("ring", "ulysses") if context > 1 else ("ring",):
                 runs[context, mode] = world.run(engine_run, args, context, mode)
     return runs
+
+
+def measure_hybrid(args: argparse.Namespace) -> dict[tuple[int, str], list[dict]]:
+    runs: dict[tuple[int, str], list[dict]] = {}
+    for context in (1, 2, 4):
+        with DistributedWorld(context, timeout=1800) as world:
+            for mode in ("ring", "ulysses") if context > 1 else ("ring",):
+                runs[context, mode] = world.run(hybrid_run, args, context, mode)
+    return runs
+
+
+def hybrid_table(args: argparse.Namespace, runs: dict) -> tuple[str, dict]:
+    base = max(r["saved_bytes"] for r in runs[1, "ring"])
+    lines, payload = [], {}
+    for (c, mode), ranks in runs.items():
+        worst = max(r["saved_bytes"] for r in ranks)
+        label = "one process" if c == 1 else f"{mode}, {ranks[0]['passed']} Mamba passing"
+        lines.append(f"| {c} | {label} | {worst / 2**20:.1f} | {worst / base:.3f} | "
+                     f"{1 / c:.3f} |")
+        payload[f"{c}/{mode}"] = [r["saved_bytes"] for r in ranks]
+    mamba = args.layers - 1
+    table = f"""## Context parallel: activation bytes per rank, hybrid (Mamba-2 + attention)
+
+`python benchmarks/cp_measure.py --sections cp_hybrid_activations` (Bamba from config:
+hidden {args.hidden}, {mamba} Mamba-2 layer(s) (heads of 32 channels, state 16, scan
+chunks of 64) and 1 attention layer ({HEADS} heads / {KV_HEADS} kv heads), vocab 256;
+one sequence of {args.seq} tokens; fp32, transformers' torch scan and convolution; bytes
+autograd saves for backward over one forward and the loss, as above; the largest rank;
+{machine()})
+
+| context | mixers | MiB per rank | vs context 1 | expected 1/C |
+| ---: | --- | ---: | ---: | ---: |
+""" + "\n".join(lines) + """
+
+Each rank scans its shard's chunks from a zero state and keeps what the scan keeps for
+them; the transitions and the corrections by the entering state are recomputed in
+backward (checkpointed: they keep only inputs the chunk's own scan keeps; run without
+the checkpoints, context 4 holds 0.350 of context 1). What crosses ranks per layer is
+each chunk's state and transition (2·heads·32·16·4 bytes: 32 KiB per chunk here) and the
+convolution's last 3 inputs, all-gathered over the 2C zigzag chunks (C for Ulysses)."""
+    return table, payload
 
 
 def analytic_bytes(args: argparse.Namespace, c: int, mode: str) -> float:
@@ -223,6 +298,8 @@ def main() -> None:
         runs = measure_engines(args)
         sections["cp_activations"] = activation_table(args, runs)
         sections["cp_bytes"] = bytes_table(args, runs)
+    if "cp_hybrid_activations" in args.sections:
+        sections["cp_hybrid_activations"] = hybrid_table(args, measure_hybrid(args))
     if "cp_ring_balance" in args.sections:
         sections["cp_ring_balance"] = balance_table(args)
     for name, (table, payload) in sections.items():

@@ -75,9 +75,12 @@ def test_one_process_matches_sdpa(family, mode):
     ("cpmant", "computes attention inline"),
     ("deepseek_v32", "sparse attention indexer picks each query's top-k keys"),
     ("glm_moe_dsa", "Ulysses' head split"),
-    ("qwen3_next", "linear_attention"),
-    ("mamba", "layer types"),
-    ("xlstm", "mix the sequence outside self-attention"),
+    # issue 35: recurrent layers pass their state (paraxis_seq.recurrent) unless their
+    # recurrence is computed inline, with no kernel function to pass it around.
+    ("minimax", "MiniMaxLightningAttention (model.layers.1.self_attn)"),
+    ("recurrent_gemma", "RecurrentGemmaRglru"),
+    ("xlstm", "mix the sequence in their own code"),
+    ("inkling_text", "InklingAttention (model.layers.0.self_attn) passes position_bias="),
     ("gpt2", "attn_pdrop=0.1: attention dropout"),
     ("gemma3", "sub-models ['vision_config']"),
 ])

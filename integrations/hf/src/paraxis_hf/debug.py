@@ -65,6 +65,23 @@ DEBUG_CONFIGS: dict[str, dict[str, object]] = {
                     "num_local_experts": 4, "num_experts_per_tok": 2, "moe_layers": [0, 1],
                     "no_rope_layers": [1, 0], "attention_chunk_size": 8,
                     "layer_types": ["chunked_attention", "full_attention"]},
+    # Recurrent layers (issue 35, context parallelism passing their state): Bamba, a
+    # Mamba-2 layer then attention; Nemotron-H, Mamba-2, MoE, attention and MLP layers;
+    # Qwen3-Next, the gated delta rule then attention, MoE; Mamba, a pure Mamba-1 SSM.
+    "bamba": {**_DECODER, "attn_layer_indices": [1], "mamba_n_heads": 4, "mamba_d_head": 8,
+              "mamba_d_state": 8, "mamba_expand": 1, "mamba_chunk_size": 16},
+    "nemotron_h": {**{k: v for k, v in _DECODER.items() if k != "num_hidden_layers"},
+                   "head_dim": 8, "ssm_state_size": 8, "mamba_num_heads": 4,
+                   "mamba_head_dim": 8, "n_groups": 1, "expand": 1, "chunk_size": 16,
+                   "n_routed_experts": 4, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 16, "moe_shared_expert_intermediate_size": 16},
+    "qwen3_next": {**_DECODER, "head_dim": 8, "linear_key_head_dim": 8,
+                   "linear_value_head_dim": 8, "linear_num_key_heads": 2,
+                   "linear_num_value_heads": 4, "num_experts": 4, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16,
+                   "layer_types": ["linear_attention", "full_attention"]},
+    "mamba": {"hidden_size": 32, "num_hidden_layers": 2, "vocab_size": 128, "expand": 1,
+              "state_size": 8, "time_step_rank": 8},
 }
 
 

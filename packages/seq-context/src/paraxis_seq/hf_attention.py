@@ -45,6 +45,7 @@ config fields and module class names: they are a conservative heuristic, not a p
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -55,6 +56,7 @@ from paraxis.parallel.anatomy import Anatomy, find_anatomy
 from paraxis.parallel.batch import DOC_IDS_KWARG
 from paraxis_seq.hf_adapters import adapter_of, chunk_of
 from paraxis_seq.hf_inline import inline_reason, install_inline
+from paraxis_seq.recurrent import LAYER_KINDS, recurrent_mixers, unpassable
 from paraxis_seq.ring import DROPOUT_REFUSED, ring_attention
 from paraxis_seq.ulysses import ulysses_attention
 from paraxis_seq.zigzag import positions
@@ -188,18 +190,20 @@ def interceptable(model: nn.Module, anatomy: Anatomy | None = None) -> str | Non
     sparse = sorted(set(getattr(cfg, "layer_types", None) or ()) & set(_SPARSE_LAYERS))
     if sparse:
         return f"layer types {sparse}: " + _SPARSE_LAYERS[sparse[0]]
-    kinds = set(getattr(cfg, "layer_types", None) or ()) - _ATTENTION_LAYERS
+    # Recurrent kinds (paraxis_seq.recurrent.LAYER_KINDS) are checked module by module.
+    kinds = set(getattr(cfg, "layer_types", None) or ()) - _ATTENTION_LAYERS - LAYER_KINDS
     if kinds:
         return (f"layer types {sorted(kinds)} are not plain attention (state-space, linear "
                 "attention, convolution or chunked attention): they would see only this "
                 "rank's shard of the sequence")
     anatomy = anatomy or find_anatomy(model)
-    held = dict(model.named_modules())
-    mixers = sorted({type(held[n]).__name__ if n in held else n for n in anatomy.mixers})
-    if mixers:
-        return (f"modules {mixers} mix the sequence outside self-attention (or attend to "
-                "another sequence); they would see only this rank's shard")
-    if not anatomy.has_attention:
+    reason = unpassable(model, anatomy)  # a recurrence whose state cannot be passed
+    if reason is not None:
+        return reason
+    biased = _biased_attention(model, anatomy)
+    if biased:
+        return biased
+    if not anatomy.has_attention and not recurrent_mixers(anatomy):
         return "no attention module found: the model mixes the sequence some other way"
     unchunked = _chunked_layers_unknown(model, anatomy)
     if unchunked:
@@ -207,6 +211,20 @@ def interceptable(model: nn.Module, anatomy: Anatomy | None = None) -> str | Non
     for field in _DROPOUT_FIELDS:
         if getattr(cfg, field, 0) or 0:
             return f"config.{field}={getattr(cfg, field)}: " + DROPOUT_REFUSED
+    return None
+
+
+def _biased_attention(model: nn.Module, anatomy: Anatomy) -> str | None:
+    """An attention module handing the interface a position bias from its own code
+    (Inkling's learned relative bias): refused here, before any process group, rather
+    than at the first step (a hybrid's layer kinds no longer refuse it first)."""
+    held = dict(model.named_modules())
+    for name, calls in anatomy.mixer_calls:
+        forward = getattr(type(held.get(name)), "forward", None)
+        if "eager_attention_forward" in calls and forward is not None and \
+                "position_bias=" in inspect.getsource(forward):
+            return (f"{type(held[name]).__name__} ({name}) passes position_bias= to the "
+                    "attention function: " + _UNSUPPORTED_KWARGS["position_bias"])
     return None
 
 

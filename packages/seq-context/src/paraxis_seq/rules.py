@@ -64,7 +64,8 @@ def check_context(config: ParallelConfig, model: ModelShape | None,
         problems.append(Problem("model.seq_length", seq, rule,
                                 f"use a multiple of {parts} (e.g. {seq + parts - seq % parts})"))
     heads = model.num_attention_heads
-    if par.context_mode == "ulysses" and heads % (t * c):
+    # No attention heads (Mamba): only recurrent layers, whose state passes in any layout.
+    if par.context_mode == "ulysses" and heads is not None and heads % (t * c):
         local = heads // t if heads % t == 0 else heads
         problems.append(Problem(
             "model.num_attention_heads", heads,

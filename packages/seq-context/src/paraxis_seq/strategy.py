@@ -50,6 +50,7 @@ from paraxis.parallel.batch import Batch, document_ids
 from paraxis.parallel.stages import chunks_of
 from paraxis.parallel.strategy import ApplyContext, Phase, Strategy
 from paraxis_seq.hf_attention import use_context_attention
+from paraxis_seq.recurrent import use_state_passing
 from paraxis_seq.rules import LAYOUT_OF_MODE
 from paraxis_seq.zigzag import check_layout, shard
 
@@ -122,14 +123,21 @@ class ContextParallelStrategy(Strategy):
         mode = ctx.config.parallelism.context_mode
         layout = LAYOUT_OF_MODE[mode]
         names: list[str] = []
+        passed: list[str] = []  # recurrent mixers passing their state (issue 35)
         documents = DocumentState()
         for chunk in chunks_of(model):  # each pipeline chunk is a model of its own
             names.append(use_context_attention(chunk, group, anatomy=ctx.anatomy, mode=mode,
                                                layout=layout, documents=documents))
+            passed += use_state_passing(chunk, group, anatomy=ctx.anatomy, layout=layout,
+                                        documents=documents,
+                                        pipelined=ctx.config.parallelism.pipeline > 1)
             chunk.config.use_cache = False  # a cache would hold one shard's keys
         ctx.batch_transforms.append(SequenceSplit(group.size, group.rank, layout, documents,
                                                   own_positions(model)))
-        ctx.extras["context"] = _Applied(mode, layout, names[0], group)
+        if passed:  # issue 35: every mixer of such a model masks or resets at documents
+            ctx.documents_kept = ("context parallel: attention masks by document ids, "
+                                  f"{len(passed)} recurrent layers reset their state")
+        ctx.extras["context"] = _Applied(mode, layout, names[0], group, tuple(passed))
         return model
 
 
@@ -155,3 +163,4 @@ class _Applied:
     layout: str
     attn_implementation: str
     group: Any
+    recurrent: tuple[str, ...] = ()  # mixers passing their state across ranks

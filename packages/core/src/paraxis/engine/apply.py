@@ -191,8 +191,9 @@ def parallelize(
         router = probe.check(engine, axes)
         probed = f"{probed}; {router}" if router else probed
     ctx.extras["probe"] = probed if ctx.skip_verify is None else f"none: {ctx.skip_verify}"
-    if masks is not None:
-        engine.masks = masks
+    if masks is not None:  # an axis keeping documents apart itself overrides the family
+        engine.masks = masks if ctx.documents_kept is None else \
+            dataclasses.replace(masks, documents=None)
     return engine
 
 

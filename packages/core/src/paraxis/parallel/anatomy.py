@@ -19,7 +19,10 @@ A module that is not a transformers model can declare its anatomy itself: a meth
 from __future__ import annotations
 
 import fnmatch
+import functools
+import inspect
 import re
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +31,8 @@ from torch import nn
 from paraxis.parallel.model_plan import ModelPlan, PlanError
 from paraxis.parallel.standins import SkipLayer, stands_in
 
-__all__ = ["Anatomy", "LayerParts", "expert_blocks", "find_anatomy", "is_sequence_mixer"]
+__all__ = ["Anatomy", "LayerParts", "class_calls", "expert_blocks", "find_anatomy", "is_norm",
+           "is_sequence_mixer"]
 
 # How a layer's child is classified, by its name in the layer (the rule sequence
 # parallelism was validated with over the coverage matrix: class names carry a family's
@@ -72,6 +76,12 @@ def is_sequence_mixer(module: nn.Module) -> bool:
     return isinstance(module, nn.Conv1d) or bool(_MIXER_CLASS.search(type(module).__name__))
 
 
+def is_norm(module: nn.Module) -> bool:
+    """A normalization (mixes features, never positions), by its class as layers' are."""
+    return bool(_NORM_CLASS.search(type(module).__name__)) or \
+        isinstance(module, nn.LayerNorm | nn.GroupNorm)
+
+
 @dataclass(frozen=True)
 class LayerParts:
     """The children of one layer, by role (names relative to the layer)."""
@@ -107,6 +117,10 @@ class Anatomy:
     routed: tuple[str, ...] = ()  # full names of those blocks' routed experts
     mixers: tuple[str, ...] = ()  # full names of every sequence mixer outside attention
     has_attention: bool = False  # some module computes softmax attention
+    # (name, functions its class calls) of ``mixers`` and layers' attention children: a
+    # scan, linear-attention recurrence or causal convolution runs through such functions
+    # (``mamba2_chunk_scan``), which an axis cutting the sequence wraps (issue 35).
+    mixer_calls: tuple[tuple[str, tuple[str, ...]], ...] = ()
     # Where the layers and the modules around them were read: "declared" (the model's
     # own paraxis_anatomy), "plan" (the pipeline plan), "search" (the fallbacks), or
     # "none: <why>" when no list of layers was found.
@@ -154,6 +168,21 @@ class Anatomy:
                 f"at {self.layers}, head {self.head}{tied}; {len(self.expert_blocks)} "
                 f"expert blocks, {len(self.mixers)} other sequence mixers (from: "
                 f"{self.origin})")
+
+
+@functools.cache
+def class_calls(cls: type) -> tuple[str, ...]:
+    """The module-level functions the methods of ``cls`` and its bases (short of
+    ``nn.Module``) call by name, decorators unwrapped: read from the code, not names."""
+    bases = [b for b in inspect.getmro(cls) if b not in inspect.getmro(nn.Module)]
+    codes = [(f.__code__, f.__globals__) for b in bases for f in map(inspect.unwrap, [
+        m for m in vars(b).values() if inspect.isfunction(m)])]
+    found: set[str] = set()
+    while codes:  # nested functions' code objects too
+        code, scope = codes.pop()
+        codes += [(c, scope) for c in code.co_consts if isinstance(c, types.CodeType)]
+        found |= {n for n in code.co_names if inspect.isfunction(scope.get(n))}
+    return tuple(sorted(found))
 
 
 def _maybe(model: nn.Module, name: str | None) -> nn.Module | None:
@@ -263,6 +292,9 @@ def find_anatomy(model: nn.Module, plan: ModelPlan | None = None) -> Anatomy:
     blocks = tuple(n for n in names if n in experts)
     routed = tuple(f"{b}.{EXPERTS_CHILD}" for b in blocks
                    if _maybe(model, f"{b}.{EXPERTS_CHILD}") is not None)
+    mixing = {n for n in mixers if n and not f"{ends['layers']}.".startswith(f"{n}.")} | {
+        f"{ends['layers']}.{i}.{c}" for i, p in enumerate(parts) for c in p.attention}
+    calls = tuple((n, c) for n, m in modules if n in mixing and (c := class_calls(type(m))))
     return Anatomy(model_class=plan.model_class, num_layers=len(layers), parts=parts,
                    tied=tied, expert_blocks=blocks, routed=routed, mixers=mixers,
-                   has_attention=attention, **ends)
+                   has_attention=attention, mixer_calls=calls, **ends)

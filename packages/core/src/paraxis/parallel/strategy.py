@@ -162,6 +162,10 @@ class ApplyContext:
     # Why the parity probe of parallelize (paraxis.engine.probe) cannot apply, if an axis's
     # arithmetic legitimately differs from one process (expert capacity drops tokens).
     skip_verify: str | None = None
+    # How an axis keeps packed documents apart in every sequence mixer itself (context
+    # parallel: attention by document ids, recurrent states reset), where it does: the
+    # engine then takes packed rows the family's own one-process masks would mix.
+    documents_kept: str | None = None
     # Anything an axis wants to expose to tests, benchmarks and metrics, by axis name.
     extras: dict[str, Any] = field(default_factory=dict)
 
