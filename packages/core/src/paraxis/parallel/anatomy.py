@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import nn
 
-from paraxis.parallel.model_plan import ModelPlan, PlanError
+from paraxis.parallel.model_plan import Adapter, ModelPlan, PlanError
 from paraxis.parallel.standins import SkipLayer, stands_in
 
 __all__ = ["Anatomy", "LayerParts", "expert_blocks", "find_anatomy", "is_sequence_mixer"]
@@ -107,6 +107,8 @@ class Anatomy:
     routed: tuple[str, ...] = ()  # full names of those blocks' routed experts
     mixers: tuple[str, ...] = ()  # full names of every sequence mixer outside attention
     has_attention: bool = False  # some module computes softmax attention
+    # Low-rank adapters beside base linear layers (the plan's: a peft LoRA model's)
+    adapters: tuple[Adapter, ...] = ()
     # Where the layers and the modules around them were read: "declared" (the model's
     # own paraxis_anatomy), "plan" (the pipeline plan), "search" (the fallbacks), or
     # "none: <why>" when no list of layers was found.
@@ -143,6 +145,10 @@ class Anatomy:
     def embedding_of(self, model: nn.Module) -> nn.Module | None:
         """The token embedding, or None where ``model`` (a stage) does not hold it."""
         return _held(model, self.embedding)
+
+    def adapter_of(self, module: str) -> Adapter | None:
+        """The adapter that ``module`` (a full name) computes beside its base, if any."""
+        return next((a for a in self.adapters if a.module == module), None)
 
     def sequence_mixers_of(self, index: int) -> tuple[str, ...]:
         """Full names of layer ``index``'s children that mix the sequence."""
@@ -263,6 +269,7 @@ def find_anatomy(model: nn.Module, plan: ModelPlan | None = None) -> Anatomy:
     blocks = tuple(n for n in names if n in experts)
     routed = tuple(f"{b}.{EXPERTS_CHILD}" for b in blocks
                    if _maybe(model, f"{b}.{EXPERTS_CHILD}") is not None)
+    adapters = tuple(a for a in plan.adapters if _maybe(model, a.module) is not None)
     return Anatomy(model_class=plan.model_class, num_layers=len(layers), parts=parts,
                    tied=tied, expert_blocks=blocks, routed=routed, mixers=mixers,
-                   has_attention=attention, **ends)
+                   has_attention=attention, adapters=adapters, **ends)

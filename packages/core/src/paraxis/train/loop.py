@@ -26,7 +26,7 @@ from paraxis.engine.engine import Engine
 from paraxis.engine.plugins import make_plugin_manager
 from paraxis.parallel.summary import RunReport
 from paraxis.runtime.world import init_distributed
-from paraxis.train.build import build_model, model_spec
+from paraxis.train.build import build_model, lora_problems, model_spec
 from paraxis.train.data import BatchStream, check_data, document_positions, load_tokenizer
 from paraxis.train.failures import RankRecord
 from paraxis.train.lifecycle import StopRequest
@@ -106,7 +106,7 @@ def start(cfg: RunConfig, history: list[dict[str, float]],
     pm = make_plugin_manager()
     check_sinks(cfg, pm)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    problems = check_data(cfg, tokenizer)
+    problems = [*check_data(cfg, tokenizer), *lora_problems(cfg, pm)]
     if problems:  # before any process group, with everything found
         raise ConfigError(problems)
     init_distributed()  # a construction context may partition over the ranks
@@ -115,7 +115,7 @@ def start(cfg: RunConfig, history: list[dict[str, float]],
     context = pm.hook.paraxis_model_context(config=cfg)
     with context if context is not None else contextlib.nullcontext():
         model = build_model(model_spec(cfg, tokenizer.vocab_size), pm, seed=cfg.train.seed,
-                            deferred=context is None)
+                            deferred=context is None, lora=cfg.lora)
     # A model constructed partitioned cannot run whole on a rank: no parity probe.
     engine = parallelize(model, config=cfg, train=cfg.train, plugin_manager=pm,
                          verify=context is None)
