@@ -26,6 +26,7 @@ from typing import Any
 from torch import nn
 
 from paraxis.config.errors import ConfigError, Problem
+from paraxis.engine.lora import ADAPTED_ATTR
 from paraxis.parallel.anatomy import find_anatomy
 from paraxis.parallel.model_plan import Adapter, ModelPlan, PlanError
 from paraxis.parallel.strategy import MATERIALIZE_ATTR
@@ -254,6 +255,7 @@ def apply_lora(model: nn.Module, lora: Any) -> nn.Module:
         why = re.sub(r"\s+", " ", str(exc)).strip()
         raise ConfigError([Problem("lora.target_modules", lora.target_modules, why,
                                    "target linear layers")]) from None
+    setattr(wrapped, ADAPTED_ATTR, lora)  # parallelize(config with this lora) keeps it
     if inner is not None:
         from paraxis_hf.lora_init import PeftMaterializer
 

@@ -4,6 +4,7 @@ one (:func:`lora_problems`, :func:`adapt`)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -12,6 +13,7 @@ from torch import nn
 from paraxis.config.errors import Problem
 from paraxis.config.lora import LoraSection
 from paraxis.config.run import ModelSection, RunConfig
+from paraxis.engine.lora import with_lora
 from paraxis.models.tiny import TinyConfig, TinyTransformer
 
 __all__ = ["adapt", "build_model", "lora_problems", "model_spec"]
@@ -37,11 +39,7 @@ def build_model(spec: ModelSection, plugin_manager: Any, *, seed: int = 0,
 def adapt(model: nn.Module, lora: LoraSection, plugin_manager: Any) -> nn.Module:
     """``model`` with ``lora``'s adapters (``paraxis_apply_lora``: paraxis-hf, through
     peft); ConfigError when the section cannot apply."""
-    adapted = plugin_manager.hook.paraxis_apply_lora(model=model, lora=lora)
-    if adapted is None:
-        raise ValueError(f"lora: no installed plugin adapts {type(model).__name__}; for "
-                         "transformers models: pip install 'paraxis-hf[peft]'")
-    return adapted
+    return with_lora(model, SimpleNamespace(lora=lora), plugin_manager)
 
 
 def lora_problems(cfg: RunConfig, plugin_manager: Any) -> list[Problem]:

@@ -1,0 +1,70 @@
+"""A ``lora:`` section that cannot apply is refused with one line per problem before any
+process group (issue 34): a target module matching no module of the model (``paraxis
+validate`` and ``paraxis train``), and a model peft already wrapped given to
+``parallelize`` with a ``lora`` section (a second wrap would stack adapters). A section
+that can apply wraps the model at ``parallelize`` as ``paraxis train`` does."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import paraxis
+from paraxis.cli.main import main
+from paraxis.config.errors import ConfigError
+from paraxis.config.run import RunConfig
+
+pytest.importorskip("peft")  # paraxis-hf[peft]
+
+ROOT = Path(__file__).resolve().parents[1]
+LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+
+
+def llama_config(tmp_path, lora):
+    """examples/llama.yaml with ``lora``, on 2 data ranks, written to ``tmp_path``."""
+    text = (ROOT / "examples/llama.yaml").read_text()
+    path = tmp_path / "lora.yaml"
+    path.write_text(text.replace("${DATA_PARALLEL_DEGREE:-2}", "2")
+                    + yaml.safe_dump({"lora": lora}))
+    return path
+
+
+@pytest.mark.parametrize("command", ["validate", "train"])
+def test_a_target_matching_no_module_is_one_line_before_any_process(tmp_path, capsys,
+                                                                    command):
+    path = llama_config(tmp_path, {**LORA, "target_modules": ["q_proj", "qkv_proj"]})
+    assert main([command, "--config", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "1 configuration problem(s)" in err, err
+    assert "lora.target_modules = 'qkv_proj': matches no module of LlamaForCausalLM" in err
+    assert "q_proj" in err.splitlines()[-1]  # the suffixes the model has, named
+    assert not torch.distributed.is_initialized()
+
+
+def test_lora_on_a_model_peft_already_wrapped_is_refused_before_any_group():
+    from peft import LoraConfig, get_peft_model
+
+    from paraxis_hf.debug import build_debug_model
+
+    model = get_peft_model(build_debug_model("llama"), LoraConfig(target_modules=["q_proj"]))
+    config = RunConfig(lora=LORA)
+    with pytest.raises(ConfigError) as refused:
+        paraxis.parallelize(model, config=config, train={"steps": 1})
+    assert len(refused.value.problems) == 1, refused.value
+    assert "already a peft model" in str(refused.value), refused.value
+    assert not torch.distributed.is_initialized()
+
+
+def test_a_lora_section_wraps_the_model_at_parallelize(worlds):
+    assert worlds.run(1, _trainable_after_parallelize)[0] == (
+        ["lora_A", "lora_B"], 2 * 2 * 2)  # A and B of q and v in each of 2 layers
+
+
+def _trainable_after_parallelize():
+    from paraxis_hf.debug import build_debug_model
+
+    model = build_debug_model("llama")
+    engine = paraxis.parallelize(model, config=RunConfig(lora=LORA), train={"steps": 1})
+    trainable = [n for n, p in engine.model.named_parameters() if p.requires_grad]
+    return sorted({n.split(".")[-3] for n in trainable}), len(trainable)
