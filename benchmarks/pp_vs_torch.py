@@ -1,14 +1,18 @@
-"""paraxis 1F1B against torch.distributed.pipelining Schedule1F1B, paired; then the
-measured bubble of every paraxis schedule against theory.
+"""paraxis pipeline schedules against torch.distributed.pipelining's same schedules, paired:
+1F1B (Schedule1F1B), ZB-V (ScheduleZBVZeroBubble) and DualPipeV (ScheduleDualPipeV);
+then the measured bubble of every paraxis schedule against its closed form.
 
     torchrun --nproc-per-node 2 benchmarks/pp_vs_torch.py
 
-The same Llama (built from config) is cut into the same two stages for both (paraxis's
-balanced split; torch gets those very stage modules), with the same microbatches.
-Both steps: every microbatch forward and backward under the 1F1B order, global-norm
-clipping across stages, then AdamW.
-They alternate in rounds; the last line printed is the ratio paraxis / torch (median of
-per-round ratios, spread, verdict against the target; :mod:`common`).
+The same Llama (built from config) is cut into the same stages for both (paraxis's
+balanced split over ``p`` stages for 1F1B, over ``2p`` stages in a V for ZB-V and
+DualPipeV: rank r holds stages r and 2p-1-r; torch gets those very stage modules, a
+second copy with the same weights), with the same microbatches. Every step on both
+sides: each microbatch forward and backward in the schedule's order (the same order:
+paraxis's V builders are torch's), global-norm clipping across stages, then AdamW on
+the stages' local tensors. The six variants alternate in rounds; the ratio of each pair
+is the median of per-round ratios, with its spread and the verdict against 1.0
+(:mod:`common`). The last line printed is ZB-V's ratio.
 """
 
 from __future__ import annotations
@@ -29,16 +33,31 @@ from common import (
     summary,
     write_section,
 )
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleZBVZeroBubble,
+)
 
 import paraxis
 from paraxis import ParallelConfig, shutdown
-from paraxis_pp.simulate import theoretical_bubble
+from paraxis.config.parallel import V_SCHEDULES
+from paraxis.parallel.split import stage_of
+from paraxis_pp.actions import Schedule
+from paraxis_pp.simulate import Timeline, simulate, theoretical_bubble
+
+# paraxis schedule -> (chunks per rank, torch's class for the same order)
+PAIRS = {"1f1b": (1, Schedule1F1B), "zbv": (2, ScheduleZBVZeroBubble),
+         "dualpipev": (2, ScheduleDualPipeV)}
+OTHERS = (("gpipe", 1), ("interleaved_1f1b", 2), ("zero_bubble_h1", 1))
 
 
 def parse() -> argparse.Namespace:
     p = llama_parser(__doc__, steps=6, warmup=3, layers=8, batch=16)
     p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--bubble-steps", type=int, default=5,
+                   help="steps whose measured bubble is taken (median) per schedule")
     return p.parse_args()
 
 
@@ -51,18 +70,40 @@ def engine_for(args, schedule: str, chunks: int = 1):
                                       "grad_clip": 1.0, "seq_length": args.seq})
 
 
-def torch_pipeline(args, stage_module):
-    world, rank = dist.get_world_size(), dist.get_rank()
-    mb = args.batch // args.microbatches
-    example = (torch.zeros(mb, args.seq, dtype=torch.long) if rank == 0
-               else torch.zeros(mb, args.seq, args.hidden))
-    stage = PipelineStage(stage_module, rank, world, torch.device("cpu"),
-                          input_args=(example,))
+class TorchPipeline:
+    """torch's schedule ``name`` over this rank's copy of paraxis's stage modules (the
+    chunks of a second engine built for the same schedule: same split, same weights)."""
 
-    def loss_fn(logits, target):
-        return F.cross_entropy(logits[:, :-1].flatten(0, 1), target[:, 1:].flatten())
+    def __init__(self, args, name: str):
+        chunks, schedule_cls = PAIRS[name]
+        self.engine = engine_for(args, name, chunks)  # only its stage modules are used
+        self.model = self.engine.model
+        modules = list(self.model) if chunks > 1 else [self.model]
+        world, rank = dist.get_world_size(), dist.get_rank()
+        placement = "v" if name in V_SCHEDULES else "looped"
+        indices = [stage_of(rank, c, world, placement) for c in range(chunks)]
+        mb = args.batch // args.microbatches
+        stages = [PipelineStage(module, i, world * chunks, torch.device("cpu"),
+                                input_args=(torch.zeros(mb, args.seq, dtype=torch.long)
+                                            if i == 0 else
+                                            torch.zeros(mb, args.seq, args.hidden),))
+                  for module, i in zip(modules, indices, strict=True)]
+        self.first, self.last = 0 in indices, world * chunks - 1 in indices
+        self.schedule = schedule_cls(stages[0] if chunks == 1 else stages,
+                                     args.microbatches, loss_fn=_loss)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
 
-    return Schedule1F1B(stage, args.microbatches, loss_fn=loss_fn)
+    def step(self, ids: torch.Tensor) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        inputs = (ids,) if self.first else ()
+        targets = {"target": ids, "losses": []} if self.last else {}
+        self.schedule.step(*inputs, **targets)
+        clip_across_stages(list(self.model.parameters()), 1.0)
+        self.optimizer.step()
+
+
+def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), target[:, 1:].flatten())
 
 
 def clip_across_stages(params: list[torch.nn.Parameter], max_norm: float) -> None:
@@ -79,94 +120,121 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    ours = engine_for(args, "1f1b")
-    # torch gets a second copy of the very same stage (same layers, same weights).
-    theirs_model = engine_for(args, "gpipe").model
-    theirs = torch_pipeline(args, theirs_model)
-    theirs_opt = torch.optim.AdamW(theirs_model.parameters(), lr=1e-4)
+    ours = {name: engine_for(args, name, chunks) for name, (chunks, _) in PAIRS.items()}
+    theirs = {name: TorchPipeline(args, name) for name in PAIRS}
     g = torch.Generator().manual_seed(0)
 
     def batch() -> torch.Tensor:
         return torch.randint(0, 256, (args.batch, args.seq), generator=g)
 
-    def paraxis_step() -> None:
-        ours.train_step(batch())
-
-    def torch_step() -> None:
-        ids = batch()
-        theirs_opt.zero_grad(set_to_none=True)
-        if rank == 0:
-            theirs.step(ids)
-        else:
-            theirs.step(target=ids, losses=[])
-        clip_across_stages(list(theirs_model.parameters()), 1.0)
-        theirs_opt.step()
-
-    variants = {"paraxis": paraxis_step, "torch": torch_step}
+    variants = {}
+    for name in PAIRS:
+        variants[f"paraxis {name}"] = lambda e=ours[name]: e.train_step(batch())
+        variants[f"torch {name}"] = lambda t=theirs[name]: t.step(batch())
     run = rounds(variants, rounds=args.rounds, steps_per_round=args.steps,
                  warmup=args.warmup)
     bubbles = measure_bubbles(args, ours)
     if rank == 0:
         report(args, world, run, bubbles)
-    ours.close()
+    for engine in (*ours.values(), *(t.engine for t in theirs.values())):
+        engine.close()
     shutdown()
 
 
-def measure_bubbles(args, ours) -> list[tuple[str, float, float]]:
-    """Median measured bubble over a few steps for each schedule, against theory."""
+def measure_bubbles(args, ours) -> list[tuple[str, float, float, float]]:
+    """Per schedule, over ``--bubble-steps`` steps: the median measured bubble, its closed
+    form (core's paraxis.parallel.bubble: equal costs) and the simulator's bubble at the
+    median costs measured per pass (what the closed form's equal costs leave out)."""
     out = []
-    for name, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2),
-                         ("zero_bubble_h1", 1)):
-        engine = ours if name == "1f1b" else engine_for(args, name, chunks)
+    for name, chunks in (*((n, c) for n, (c, _) in PAIRS.items()), *OTHERS):
+        engine = ours.get(name) or engine_for(args, name, chunks)
         runner = engine.ctx.forward_backward
-        values = []
-        for _ in range(5):
+        values, costed = [], []
+        for _ in range(args.bubble_steps):
             engine.train_step(torch.randint(0, 256, (args.batch, args.seq)))
-            values.append(runner.measured().bubble)
-        out.append((name, median(values), theoretical_bubble(runner.schedule)))
-        if engine is not ours:
+            measured = runner.measured()
+            values.append(measured.bubble)
+            costed.append(simulate(runner.schedule, **pass_costs(measured, runner.schedule)
+                                   ).bubble)
+        out.append((name, median(values), theoretical_bubble(runner.schedule),
+                    median(costed)))
+        if name not in ours:
             engine.close()
     return out
 
 
+def pass_costs(t: Timeline, schedule: Schedule) -> dict[str, float]:
+    """Median seconds of a forward, an input gradient and a weight gradient over every
+    rank (a whole backward counts as input gradient; the first stage's W of a split
+    backward, which holds its whole backward, is left out)."""
+    kinds: dict[str, list[float]] = {"F": [], "B": [], "I": [], "W": []}
+    for r, row in enumerate(t.entries):
+        for a, start, end in row:
+            if not (a.kind == "W" and schedule.stage(r, a.chunk) == 0):
+                kinds[a.kind].append(end - start)
+    w = median(kinds["W"]) if kinds["W"] else 0.0
+    b = median(kinds["I"]) if kinds["I"] else median(kinds["B"])
+    return {"f": median(kinds["F"]), "b": b, "w": w}
+
+
+TORCH_NAMES = {"1f1b": "Schedule1F1B", "zbv": "ScheduleZBVZeroBubble",
+               "dualpipev": "ScheduleDualPipeV"}
+SHOWN = {"1f1b": "1F1B", "zbv": "ZB-V", "dualpipev": "DualPipeV"}
+
+
 def report(args, world, run, bubbles) -> None:
     med = {k: run.median(k) for k in run.walls}
-    ratio = summary(run.ratios("paraxis", "torch"), 1.0)
-    rows = "\n".join(f"| {n} | {m:.3f} | {t:.3f} |" for n, m, t in bubbles)
+    ratios = {n: summary(run.ratios(f"paraxis {n}", f"torch {n}"), 1.0) for n in PAIRS}
+    steps = []
+    for n in PAIRS:
+        steps += [f"| paraxis {SHOWN[n]} | {med[f'paraxis {n}'] * 1e3:.1f} |",
+                  f"| torch {TORCH_NAMES[n]} | {med[f'torch {n}'] * 1e3:.1f} |"]
+    rows = [f"| {n} | {m:.3f} | {t:.3f} | {m / t - 1:+.0%} | {c:.3f} | {m / c - 1:+.0%} |"
+            for n, m, t, c in bubbles]
     table = "\n".join([
-        "## Pipeline parallel: paraxis 1F1B vs torch.distributed.pipelining",
+        "## Pipeline parallel: paraxis vs torch.distributed.pipelining (1F1B, ZB-V, "
+        "DualPipeV)",
         "",
         f"`torchrun --nproc-per-node {world} benchmarks/pp_vs_torch.py` (Llama from config: "
-        f"hidden {args.hidden}, {args.layers} layers over {world} stages, seq {args.seq}, "
-        f"batch {args.batch} in {args.microbatches} microbatches, gloo; {machine()}; "
+        f"hidden {args.hidden}, {args.layers} layers over {world} ranks: {world} stages "
+        f"for 1F1B, {2 * world} in a V for ZB-V and DualPipeV; seq {args.seq}, batch "
+        f"{args.batch} in {args.microbatches} microbatches, gloo; {machine()}; "
         f"{args.rounds} rounds of {args.steps} alternating steps after {args.warmup} "
-        "warm-up; both: 1F1B forward/backward, global-norm clipping across stages, AdamW)",
+        "warm-up; both sides: the same stage modules and schedule order, global-norm "
+        "clipping across stages, AdamW on local tensors)",
         "",
         "| variant | median step (ms) |",
         "| --- | ---: |",
-        f"| paraxis 1F1B | {med['paraxis'] * 1e3:.1f} |",
-        f"| torch Schedule1F1B | {med['torch'] * 1e3:.1f} |",
+        *steps,
         "",
-        ratio_line("Ratio paraxis / torch (median step time)", ratio),
+        *[ratio_line(f"Ratio paraxis / torch, {SHOWN[n]} (median step time)", ratios[n])
+          + "\n" for n in PAIRS],
+        f"Measured bubble (idle share of ranks x step, median of {args.bubble_steps} "
+        f"steps) against the closed form (core's paraxis.parallel.bubble: equal F, I and "
+        f"W costs), p={world}, m={args.microbatches}; interleaved and the V schedules "
+        "with 2 chunks per rank:",
         "",
-        f"Measured bubble (idle share of stages x step, median of 5 steps; interleaved "
-        f"with 2 chunks) against theory, p={world}, m={args.microbatches}:",
+        "| schedule | measured | closed form | vs closed form | simulated at measured "
+        "costs | vs simulated |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        *rows,
         "",
-        "| schedule | measured | theory |",
-        "| --- | ---: | ---: |",
-        rows,
-        "",
-        "Theory: (p-1)/(m+p-1) for GPipe and 1F1B; (p-1)/(v·m) of the ideal time for "
-        "interleaved; ZB-H1 has no closed form here (its simulated bubble with unit costs "
-        "is below 1F1B's). Measured bubbles include point-to-point waits on 2 shared "
-        "CPU cores.",
+        "The simulated column runs paraxis_pp's simulator on the schedule with the median "
+        "forward, input-gradient and weight-gradient times of the measured steps (a whole "
+        "backward: input gradient plus weight gradient): the uneven costs of real passes "
+        "that the closed form's equal costs leave out. What the measured bubble adds to "
+        "it is the executor's: point-to-point waits and message posting (gloo, ranks "
+        "sharing the cores).",
     ])
     if not args.no_write:
         write_section("pp_vs_torch", table, {
-            "args": vars(args), "median_step_s": med, "ratio": ratio, "bubbles": bubbles,
+            "args": vars(args), "median_step_s": med, "ratios": ratios, "bubbles": bubbles,
             "round_medians_s": {k: run.medians(k) for k in run.walls}})
-    print("\n".join(f"{n}: measured bubble {m:.3f}, theory {t:.3f}" for n, m, t in bubbles))
-    print(ratio_line("ratio paraxis/torch (median step time)", ratio, bold=False))
+    print("\n".join(f"{n}: measured bubble {m:.3f}, closed form {t:.3f}, simulated at "
+                    f"measured costs {c:.3f}" for n, m, t, c in bubbles))
+    for n in ("1f1b", "dualpipev", "zbv"):
+        print(ratio_line(f"ratio paraxis/torch {SHOWN[n]} (median step time)", ratios[n],
+                         bold=False))
 
 
 if __name__ == "__main__":

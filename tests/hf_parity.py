@@ -35,6 +35,9 @@ from paraxis_hf import build_debug_model
 
 LR, BATCH, SEQ = 1e-3, 8, 16
 IGNORED = 9  # labels of sample 0 set to -100 (see train)
+# The groups over the data axis (issue 38's metric names; HSDP's data_shard x ... and
+# data_replica keep their keys).
+DATA_SIDE = ("comm/data", "comm/replicas", "comm/expert_replicas", "comm/sequence_shards")
 _REFERENCES: dict[tuple, tuple] = {}
 _STARTS: dict[tuple, tuple] = {}
 
@@ -66,11 +69,11 @@ def with_lora(model, lora):
 def train(family, degrees, overrides, steps, options, order=None, seq=SEQ, batch=BATCH,
           recipe=None, lora=None):
     """Train ``steps`` steps of ``batch`` sequences of ``seq`` tokens; returns per-step
-    (loss, grad_norm, router loss or None, correction biases or None), an eval loss and
-    shards. ``order`` permutes each global batch's samples first; ``recipe`` adds to the
-    train section (precision, optimizer), and the first step's gradients are taken in its
-    precision; ``lora`` (LoraConfig's arguments) trains the model's peft LoRA adapters
-    instead (:func:`with_lora`)."""
+    (loss, grad_norm, router loss or None, correction biases or None, model-state bytes
+    or None, data-axis bytes), an eval loss and shards. ``order`` permutes each global
+    batch's samples first; ``recipe`` adds to the train section (precision, optimizer),
+    and the first step's gradients are taken in its precision; ``lora`` (LoraConfig's
+    arguments) trains the model's peft LoRA adapters instead (:func:`with_lora`)."""
     config = ParallelConfig.from_kwargs(**degrees, **options)
     model = build_debug_model(family, **overrides)
     vocab = model.config.vocab_size
@@ -95,7 +98,10 @@ def train(family, degrees, overrides, steps, options, order=None, seq=SEQ, batch
         if recipe.get("compile") and not history:  # what compiled is the layers
             assert engine.ctx.extras["compile"].endswith("layers"), engine.ctx.extras
         m = engine.train_step(share)
-        history.append((m["loss"], m["grad_norm"], m.get("moe/aux_loss"), _biases(engine)))
+        data_bytes = sum(v for k, v in m.items()  # the groups over the data axis
+                         if k.startswith(DATA_SIDE) and k.endswith("_bytes"))
+        history.append((m["loss"], m["grad_norm"], m.get("moe/aux_loss"), _biases(engine),
+                        m.get("model_state_bytes"), data_bytes))
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(4))
     eval_loss = engine.eval_step(ids[part])
     shards = local_shards(engine.model)

@@ -70,7 +70,7 @@ LAYOUTS = {
     "mixtral-d2e4t2p2-zero1-sp": (MIXTRAL, ["--data", "2", "--expert", "4", "--tensor", "2",
                                             "--pipeline", "2", "--zero", "1",
                                             "--sequence-parallel"]),
-    # One local expert over 2 data replicas: ZeRO's dim-0 chunks leave it whole on a rank.
+    # One local expert over 2 data replicas: ZeRO splits it along its rows (issue 36).
     "mixtral-d2e8t2-zero1-sp": (MIXTRAL, ["--data", "2", "--expert", "8", "--tensor", "2",
                                           "--zero", "1", "--sequence-parallel"]),
     # Each expert's FFN split over the tensor group (expert_tensor): expert bytes / 2.
@@ -108,6 +108,20 @@ def test_llama_3_70b_config_json_agrees_on_512_ranks(capsys):
     out, code = _dry_run(capsys, model, layout, "--global-batch", "512")
     _assert_agrees(out, code, {"data": 8, "tensor": 8, "pipeline": 8})
     assert len(out["dry_run"]["rows"]) == 8 * 2 * 3
+
+
+def test_mixtral_8x7b_expert_state_is_sharded_at_expert_8_data_2(capsys):
+    """Issue 36: Mixtral-8x7B at expert 8 x data 2, ZeRO-1, one local expert per rank.
+    ZeRO split each fused expert tensor along its experts (one row), so one data rank
+    kept all of it: the optimizer state was 1.99x a plan without the waste. It is now
+    split along a dimension with enough rows, and the planner models no waste: every
+    term of the first and the last rank within 2%."""
+    layout = ["--data", "2", "--expert", "8", "--zero", "1"]
+    out, code = _dry_run(capsys, ROOT / "examples/plan/mixtral-8x7b.json", layout,
+                         "--global-batch", "16")
+    _assert_agrees(out, code, {"data": 2, "expert": 8})
+    for r in out["dry_run"]["rows"]:
+        print(r["rank"], r["term"], f"{r['ratio']:.4f}")
 
 
 def test_the_dry_run_counts_what_paraxis_holds_not_the_papers_mixed(tmp_path):

@@ -43,3 +43,22 @@ def test_validate_a_two_axis_layout_warns_when_it_does_not_fit(capsys, tmp_path)
     out, err = capsys.readouterr()
     assert code == 0 and "valid" in out
     assert "warning:" in err and "the largest term is" in err
+
+
+def test_a_v_schedule_with_an_odd_chunk_count_is_refused_in_one_line(capsys, tmp_path):
+    """ZB-V folds two chunks per rank into a V; the pipeline axis' rules refuse three,
+    for ``paraxis plan`` and ``paraxis validate`` alike, before any process group."""
+    path = _yaml(tmp_path, "{data: 2}")
+    code = main(["plan", "--model", str(path), "--pipeline", "2", "--schedule", "zbv",
+                 "--virtual-stages", "3"])
+    out, err = capsys.readouterr()
+    assert code == 1 and out == "" and err.count("\n") == 1
+    assert "schedule.virtual_stages = 3" in err and "cannot fold into a V" in err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(path.read_text().replace(
+        "parallelism: {data: 2}", "parallelism: {pipeline: 2}").replace(
+        "schedule: {microbatches: 2}",
+        "schedule: {microbatches: 4, pipeline_schedule: zbv, virtual_stages: 3}"))
+    code = main(["validate", "--config", str(bad)])
+    out, err = capsys.readouterr()
+    assert code != 0 and "cannot fold into a V" in err + out

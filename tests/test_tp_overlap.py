@@ -67,6 +67,8 @@ def test_overlap_matches_one_process(worlds, degrees):
     ({"tensor": 2}, "without sequence_parallel"),
     ({"tensor": 2, "pipeline": 2, "sequence_parallel": True,
       "pipeline_schedule": "zero_bubble_h1", "microbatches": 2}, "zero_bubble_h1"),
+    ({"tensor": 2, "pipeline": 2, "sequence_parallel": True, "pipeline_schedule": "zbv",
+      "virtual_stages": 2, "microbatches": 2}, "zbv splits the backward"),
 ])
 def test_overlap_on_is_refused_where_it_cannot_apply(options, reason):
     problems = check_tensor(ParallelConfig.from_kwargs(**options, tensor_overlap="on"), None)

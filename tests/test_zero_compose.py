@@ -1,8 +1,10 @@
 """ZeRO with the packages around it: a ZeRO-3 x tensor-2 checkpoint (data shards nested
 in tensor shards of a padded vocabulary) resumes in plain data parallelism, and back;
-under bf16 autocast every ZeRO stage matches plain data parallelism (parameters and
+under bf16 autocast ZeRO-1 and ZeRO-2 match plain data parallelism (parameters and
 shards stay fp32; the per-rank arithmetic is the same, only the fp32 reductions differ,
-so the shared tolerance holds); over expert replicas ZeRO matches one process."""
+so the shared tolerance holds; ZeRO-3 gathers its units in bf16, issue 36, and is held
+to one process in bf16 by tests/test_precision_parity.py); over expert replicas ZeRO
+matches one process."""
 
 from __future__ import annotations
 
@@ -81,7 +83,7 @@ def dp_bf16(worlds):
     return worlds.run(2, bf16_run, {"data": 2})
 
 
-@pytest.mark.parametrize("zero", [1, 2, 3])
+@pytest.mark.parametrize("zero", [1, 2])
 def test_zero_under_bf16_matches_data_parallel(worlds, dp_bf16, zero):
     dp = dp_bf16
     out = worlds.run(2, bf16_run, {"data": 2, "zero": zero})

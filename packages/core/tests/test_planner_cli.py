@@ -121,3 +121,64 @@ def test_validate_warns_when_the_plan_does_not_fit(capsys, tmp_path):
     assert "warning" not in capsys.readouterr().err
     assert main(["validate", "--config", str(path), "--device-memory", "lots"]) == 1
     assert "--device-memory 'lots'" in capsys.readouterr().err
+
+
+def test_efficiency_tables_time_the_step(capsys, tiny_yaml, tmp_path):
+    """A built-in table by name, a written one by file, single figures overridden; a
+    table chosen on purpose gives the speeds, so --json has the step time."""
+    from paraxis.planner.efficiency import BUILTIN, write_efficiency
+
+    times = {}
+    for args in (("--efficiency", "h100"), ("--efficiency", "h200"),
+                 ("--efficiency", "h100", "--efficiency-set", "gemm=0.001")):
+        code, out, err = run(capsys, "--model", tiny_yaml, "--data", 2, "--peak-flops", "989T",
+                             "--bandwidth", "intra=450GB/s,inter=50GB/s", "--json", *args)
+        assert code == 0, err
+        times[args] = json.loads(out)["step_time_s"]
+    assert times[("--efficiency", "h200")] < times[("--efficiency", "h100")]  # faster HBM
+    assert times[("--efficiency", "h100", "--efficiency-set", "gemm=0.001")] > \
+        times[("--efficiency", "h100")]
+    path = tmp_path / "table.json"
+    write_efficiency(BUILTIN["h200"], path)
+    code, out, _ = run(capsys, "--model", tiny_yaml, "--data", 2, "--efficiency", path, "--json")
+    assert code == 0 and json.loads(out)["step_time_s"] == pytest.approx(
+        times[("--efficiency", "h200")])
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (("--efficiency", "nope.json"), "neither a built-in table"),
+    (("--efficiency-set", "speed=2"), "KEY one of"),
+])
+def test_bad_efficiency_input_is_one_line(capsys, tiny_yaml, args, words):
+    code, _, err = run(capsys, "--model", tiny_yaml, *args)
+    assert code == 1 and words in err and len(err.strip().splitlines()) == 1
+
+
+def test_calibrate_alone_writes_a_table(capsys, tmp_path, monkeypatch):
+    from paraxis.planner import calibrate as calibrate_module
+
+    monkeypatch.setattr(calibrate_module, "GEMM_M", (8, 64))
+    monkeypatch.setattr(calibrate_module, "GEMM_NK", (16,))
+    monkeypatch.setattr(calibrate_module, "SEQS", (32,))
+    path = tmp_path / "here.json"
+    code, out, err = run(capsys, "--calibrate", path, "--world-size", 1)
+    assert code == 0, err
+    assert "calibrated, written to" in out and json.loads(path.read_text())["gemm"]
+    code, _, err = run(capsys, "--world-size", 2)
+    assert code == 1 and "--model is required" in err
+
+
+def test_the_v_schedules_plan_two_chunks_with_both_ends_on_rank_zero(capsys, tiny_yaml):
+    """``--schedule zbv`` (or dualpipev) holds two chunks per rank unless told otherwise;
+    rank 0 holds the first and the last stage (embedding and head), so it is the most
+    loaded (tests/test_plan_rules.py: the pipeline axis refuses an odd count)."""
+    from paraxis.parallel.bubble import closed_form_bubble
+
+    for name in ("zbv", "dualpipev"):
+        code, out, err = run(capsys, "--model", tiny_yaml, "--pipeline", 2, "--data", 2,
+                             "--schedule", name, "--json")
+        assert code == 0, err
+        plan = json.loads(out)
+        assert plan["config"]["virtual_stages"] == 2 and plan["memory"]["stage"] == 0
+        m = plan["config"]["microbatches"]
+        assert plan["bubble"] == pytest.approx(closed_form_bubble(name, 2, m, 2).fraction)

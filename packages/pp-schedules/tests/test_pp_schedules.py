@@ -37,11 +37,21 @@ def test_simulated_bubble_matches_theory(name, p, m, v):
 
 def test_the_registry_builds_exactly_the_configs_schedules():
     """One list of names (paraxis.config.parallel.PIPELINE_SCHEDULES): the config, the
-    planner and the CLI accept exactly what this package builds."""
-    from paraxis.config.parallel import PIPELINE_SCHEDULES
+    planner and the CLI accept exactly what this package builds; the config's V and
+    split-backward lists (which the planner and tensor parallel read) say what the
+    builders do."""
+    from paraxis.config.parallel import (
+        PIPELINE_SCHEDULES,
+        SPLIT_BACKWARD_SCHEDULES,
+        V_SCHEDULES,
+    )
     from paraxis_pp.schedules import SCHEDULES
 
     assert tuple(SCHEDULES) == PIPELINE_SCHEDULES
+    built = {name: build(name, 4, 8, 2 if name in V_SCHEDULES or "inter" in name else 1)
+             for name in SCHEDULES}
+    assert {n for n, s in built.items() if s.placement == "v"} == set(V_SCHEDULES)
+    assert {n for n, s in built.items() if s.split_backward} == set(SPLIT_BACKWARD_SCHEDULES)
 
 
 def test_zero_bubble_beats_1f1b_at_the_same_memory():
@@ -52,7 +62,7 @@ def test_zero_bubble_beats_1f1b_at_the_same_memory():
 
 
 def _broken(rows):
-    return Schedule("broken", 2, 1, 1, False, tuple(tuple(r) for r in rows))
+    return Schedule("broken", 2, 1, 1, tuple(tuple(r) for r in rows))
 
 
 def test_checker_finds_deadlock_missing_and_duplicate_actions():
@@ -64,6 +74,14 @@ def test_checker_finds_deadlock_missing_and_duplicate_actions():
     with pytest.raises(ScheduleError, match="more than once"):
         check(_broken([[Action("F", 0), Action("F", 0), Action("B", 0)],
                        [Action("F", 0), Action("B", 0)]]))
+    # A whole backward already computed the weight gradients a W would compute again.
+    with pytest.raises(ScheduleError, match="more than once"):
+        check(_broken([[Action("F", 0), Action("B", 0)],
+                       [Action("F", 0), Action("B", 0), Action("W", 0)]]))
+    # A W before its input gradient waits forever.
+    with pytest.raises(ScheduleError, match="deadlock"):
+        check(_broken([[Action("F", 0), Action("B", 0)],
+                       [Action("F", 0), Action("W", 0), Action("I", 0)]]))
 
 
 def test_interleaved_needs_whole_groups_and_others_one_chunk():
@@ -96,3 +114,101 @@ def test_timeline_pictures_show_idle_time():
     assert svg.count("<rect") == 2 + sum(len(r) for r in t.entries)  # idle rows + cells
     text = render_text(t)
     assert text.splitlines()[1].startswith("stage 1: .")  # stage 1 idles first
+
+
+V_GRID = [(p, m) for p in (1, 2, 3, 4, 8) for m in (p, p + 1, 2 * p - 1, 2 * p, 3 * p, 16)
+          if m <= 16]
+
+
+@pytest.mark.parametrize(("p", "m"), V_GRID)
+def test_v_schedules_are_legal_and_keep_1f1b_memory(p, m):
+    """ZB-V keeps 1F1B's activations (2p chunk-microbatches, half a stage each, on the
+    busiest rank: Qi et al. section 6); DualPipeV one chunk-microbatch more (DeepSeek's
+    PP+1 with PP = 2p stages)."""
+    zbv = check(build("zbv", p, m, 2))
+    assert zbv.peak_activations == tuple(min(2 * p, m + r + 1) for r in range(p))
+    if m >= 2 * p:
+        assert check(build("dualpipev", p, m, 2)).peak_activations == (2 * p + 1,) * p
+
+
+@pytest.mark.parametrize(("name", "p", "m"), [
+    ("zbv", 2, 2), ("zbv", 2, 8), ("zbv", 4, 4), ("zbv", 4, 5), ("zbv", 4, 8),
+    ("zbv", 8, 10), ("zbv", 8, 32), ("dualpipev", 2, 4), ("dualpipev", 4, 8),
+    ("dualpipev", 4, 13), ("dualpipev", 8, 16)])
+def test_v_bubbles_match_their_closed_forms(name, p, m):
+    s = build(name, p, m, 2)
+    assert simulate(s, f=1, b=1, w=1).bubble == pytest.approx(theoretical_bubble(s))
+
+
+def test_the_v_places_first_and_last_stage_on_rank_zero():
+    s = build("zbv", 4, 8, 2)
+    assert [[s.stage(r, c) for c in range(2)] for r in range(4)] == [
+        [0, 7], [1, 6], [2, 5], [3, 4]]
+    assert all(s.place(s.stage(r, c)) == (r, c) for r in range(4) for c in range(2))
+    looped = build("interleaved_1f1b", 4, 8, 2)
+    assert [looped.stage(r, 1) for r in range(4)] == [4, 5, 6, 7]
+
+
+def test_v_schedules_halve_zero_bubbles_at_the_same_memory():
+    """On one model (a V chunk is half a stage: its passes cost half a stage's), ZB-V and
+    DualPipeV idle less than half of what ZB-H1 idles, and ZB-V's busiest rank holds
+    1F1B's activations (chunk-microbatches are half a stage's)."""
+    zb1 = simulate(build("zero_bubble_h1", 4, 8), f=2, b=2, w=2)
+    for name in ("zbv", "dualpipev"):
+        v = simulate(build(name, 4, 8, 2), f=1, b=1, w=1)
+        assert v.makespan < zb1.makespan
+        assert (v.makespan - 48) * 2 <= zb1.makespan - 48  # idle per rank, 48 busy
+    assert check(build("zbv", 4, 8, 2)).peak_activations[0] / 2 == \
+        check(build("1f1b", 4, 8)).peak_activations[0]
+
+
+def test_what_a_v_cannot_hold_is_refused():
+    with pytest.raises(ValueError, match="exactly two chunks per rank"):
+        build("zbv", 4, 8, 1)
+    with pytest.raises(ValueError, match="exactly two chunks per rank"):
+        build("dualpipev", 4, 8, 4)
+    with pytest.raises(ValueError, match="at least 8 microbatches"):
+        build("dualpipev", 4, 6, 2)
+    with pytest.raises(ValueError, match="even number of chunks"):
+        Schedule("odd", 2, 2, 3, ((), ()), placement="v")
+
+
+def test_v_timeline_names_ranks_and_chunks():
+    t = simulate(build("zbv", 2, 4, 2))
+    text = render_text(t)
+    assert text.startswith("rank 0: F0") and "F0c1" in text and "I0c1" in text
+    assert "rank 1" in render_svg(t)
+
+
+def _torch_order(cls, p, m):
+    """torch's per-rank order for its V schedule class, in this package's actions (its
+    overlapped F&B pairs expanded; private API, stable since torch 2.9)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import schedules as ts
+
+    kinds = {ts.F: "F", ts.I: "I", ts.W: "W", ts.B: "B"}
+    fake = SimpleNamespace(pp_group_size=p, _n_microbatches=m, num_stages=2 * p)
+    rows = []
+    for r in range(p):
+        row = []
+        for a in filter(None, cls._calculate_single_rank_operations(fake, r)):
+            for sub in a.sub_actions if a.computation_type == ts.OVERLAP_F_B else (a,):
+                row.append(Action(kinds[sub.computation_type], sub.microbatch_index,
+                                  0 if sub.stage_index == r else 1))
+        rows.append(tuple(row))
+    return tuple(rows)
+
+
+@pytest.mark.parametrize(("name", "torch_name"), [("zbv", "ScheduleZBVZeroBubble"),
+                                                  ("dualpipev", "ScheduleDualPipeV")])
+def test_v_orders_are_torchs(name, torch_name):
+    """The benchmark's peer runs the very order paraxis runs."""
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    cls = getattr(schedules, torch_name, None)
+    if cls is None or not hasattr(cls, "_calculate_single_rank_operations"):
+        pytest.skip(f"this torch has no {torch_name} order to compare with")
+    for p, m in V_GRID:
+        if name == "dualpipev" and m < 2 * p:
+            continue
+        assert build(name, p, m, 2).actions == _torch_order(cls, p, m), (p, m)

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 import paraxis
 from paraxis import ParallelConfig
+from paraxis.config.parallel import V_SCHEDULES
 from paraxis.models.tiny import TinyConfig, TinyTransformer
 from paraxis.testing.parity import (
     assert_same_gradients,
@@ -50,6 +51,8 @@ def reference(worlds):
     {"pipeline_schedule": "1f1b"},
     {"pipeline_schedule": "zero_bubble_h1"},
     {"pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2},
+    {"pipeline_schedule": "zbv", "virtual_stages": 2},
+    {"pipeline_schedule": "dualpipev", "virtual_stages": 2},
     {"activation_checkpointing": "full"},
     {"activation_checkpointing": "selective", "pipeline_schedule": "zero_bubble_h1"},
 ], ids=lambda o: "-".join(str(v) for v in o.values()))
@@ -67,6 +70,7 @@ def summarize(schedule="1f1b"):
     torch.manual_seed(0)
     engine = paraxis.parallelize(TinyTransformer(CFG), pipeline=2, microbatches=4,
                                  pipeline_schedule=schedule,
+                                 virtual_stages=2 if schedule in V_SCHEDULES else 1,
                                  train={"steps": 2, "lr": LR, "seq_length": CFG.seq_length})
     engine.train_step(torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_length)))
     reports = [r for r in paraxis.make_plugin_manager().hook.paraxis_summarize_run(
@@ -101,8 +105,14 @@ def _stage_columns(line):
     # One backward pass computes both gradients: no W column anywhere.
     ("1f1b", {"stage 0": {"F", "B+W", "idle"}, "stage 1": {"F", "B+W", "idle"}}),
     # Split: stage 0 has no input gradient and runs its whole backward at W; it printed
-    # "B 0 ms" (issue 32). The last stage measures B and W apart.
-    ("zero_bubble_h1", {"stage 0": {"F", "B+W", "idle"}, "stage 1": {"F", "B", "W", "idle"}}),
+    # "B 0 ms" (issue 32). The last stage measures I and W apart.
+    ("zero_bubble_h1", {"stage 0": {"F", "B+W", "idle"}, "stage 1": {"F", "I", "W", "idle"}}),
+    # A V: rank 0 holds stage 0 (whole backwards at W) and the last stage (I and W apart).
+    ("zbv", {"rank 0 (stages 0, 3)": {"F", "I", "W", "B+W", "idle"},
+             "rank 1 (stages 1, 2)": {"F", "I", "W", "idle"}}),
+    # DualPipeV runs whole backwards (B) beside the split ones of its drain.
+    ("dualpipev", {"rank 0 (stages 0, 3)": {"F", "I", "W", "B+W", "idle"},
+                   "rank 1 (stages 1, 2)": {"F", "I", "W", "B+W", "idle"}}),
 ])
 def test_the_stage_times_name_only_passes_that_were_measured(worlds, schedule, columns):
     (((_, (line,)),), _) = worlds.run(2, summarize, schedule)

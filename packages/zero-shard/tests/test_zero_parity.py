@@ -8,7 +8,6 @@ head (ZeRO-3's root unit), and activation checkpointing (recomputation re-gather
 """
 
 import pytest
-import torch
 from zero_tiny import LR, STEPS, run
 
 from paraxis.testing.parity import assert_same_weights
@@ -64,14 +63,14 @@ def test_zero_with_recomputation(worlds, zero, recompute):
 
 
 def test_bf16_autocast_with_fp32_master_shards(worlds):
-    """Under bf16 autocast every stage does the same per-rank arithmetic (parameters and
-    their shards stay fp32; stage 3 gathers them exactly), so the stages agree with
-    each other at the shared fp32 tolerance; the parameters stay fp32 throughout."""
+    """Under bf16 autocast stages 1 and 2 do the same per-rank arithmetic (parameters
+    and their shards stay fp32, the model runs whole), so they agree with each other at
+    the shared fp32 tolerance. Stage 3 gathers its units in bf16 (issue 36; the
+    embedding table is then rounded once, as FSDP2's bf16 parameters round it): its
+    bytes are test_zero3_bf16.py's, its parity with one process in bf16
+    tests/test_precision_parity.py's."""
     runs = {z: worlds.run(2, run, {"data": 2, "zero": z, "microbatches": 2}, False,
-                          {"bf16": True}) for z in (1, 2, 3)}
+                          {"bf16": True}) for z in (1, 2)}
     fp32 = reference(worlds)[0]
-    for z in (2, 3):
-        check(runs[z], runs[1][0])
-    for _, _, shards in runs[3]:
-        assert {t.dtype for t, _ in shards.values()} == {torch.float32}
+    check(runs[2], runs[1][0])
     assert [h[0] for h in runs[1][0][0]] != [h[0] for h in fp32]  # autocast did run

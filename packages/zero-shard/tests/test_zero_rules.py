@@ -26,17 +26,29 @@ def test_zero_without_replicas_is_an_error_not_a_no_op():
     assert problems(zero=1, context=2) == []
 
 
-@pytest.mark.parametrize(("zero", "reason"), [(2, "save nothing over ZeRO-1"),
-                                              (3, "2 x microbatches times")])
-def test_stages_2_and_3_refuse_a_pipeline_with_the_reason(zero, reason):
-    (p,) = problems(zero=zero, data=2, pipeline=2, microbatches=2)
-    assert "pipeline=2" in p.rule and reason in p.rule and "zero: 1" in p.fix
-    assert problems(zero=1, data=2, pipeline=2, microbatches=2) == []
+def test_every_stage_combines_with_a_pipeline():
+    """Issue 36: stages 2 and 3 run beside a pipeline (one gather and one
+    reduce-scatter per step); they were refused."""
+    for zero in (1, 2, 3):
+        assert problems(zero=zero, data=2, pipeline=2, microbatches=2) == []
+
+
+@pytest.mark.parametrize(("options", "words"), [
+    ({"zero": 3, "data": 4, "zero_shard": 3}, "must divide parallelism.data (4)"),
+    ({"zero": 2, "data": 4, "zero_shard": 8}, "must divide parallelism.data (4)"),
+    ({"zero": 0, "data": 4, "zero_shard": 2}, "zero is 0"),
+    ({"zero": 1, "data": 4, "zero_shard": 1}, "shard nothing"),
+])
+def test_zero_shard_refused_in_one_line_before_any_process_group(options, words):
+    (p,) = problems(**options)
+    assert p.field == "parallelism.zero_shard" and words in p.rule
+    assert "\n" not in str(p)
+    assert problems(zero=3, data=4, zero_shard=2) == []
 
 
 def test_rules_run_through_validate_with_the_installed_plugin():
-    with pytest.raises(ConfigError, match=r"parallelism\.zero"):
-        validate(ParallelConfig.from_kwargs(zero=3, data=2, pipeline=2, microbatches=2),
+    with pytest.raises(ConfigError, match=r"parallelism\.zero_shard.*\[2, 4\]"):
+        validate(ParallelConfig.from_kwargs(zero=3, data=4, zero_shard=3),
                  world_size=4, plugin_manager=make_plugin_manager())
 
 
@@ -76,3 +88,21 @@ def test_layout_placements_say_which_rows_each_rank_holds():
     assert (shard.shards[-1].offset, shard.shards[-1].length) == (3, 3)
     assert layout.rank_rows(1, rank=1) == (1, 0, 1)  # one row: ranks 1 and 2 hold padding
     assert layout.rank_rows(0, rank=2) == (6, 1, 2)
+
+
+@pytest.mark.parametrize("command", ["validate", "train"])
+def test_the_cli_says_a_bad_zero_shard_in_one_line_before_any_process(tmp_path, capsys,
+                                                                     command):
+    """Issue 36's bad input: zero_shard not dividing data, one line, exit 1, no process
+    group and no worker started."""
+    from paraxis.cli.main import main
+
+    config = tmp_path / "run.yaml"
+    config.write_text("parallelism: {data: 4, zero: 3, zero_shard: 3}\n"
+                      "model: {family: tiny, config: {hidden_size: 32, num_layers: 2, "
+                      "num_heads: 4, intermediate_size: 64}}\n"
+                      "data: {source: stdlib, tokenizer: bytes}\n")
+    assert main([command, "--config", str(config)]) == 1
+    lines = [x for x in capsys.readouterr().err.splitlines() if "zero_shard" in x]
+    assert len(lines) == 1 and "must divide parallelism.data (4)" in lines[0]
+    assert not torch.distributed.is_initialized()

@@ -40,7 +40,8 @@ def stage3_run(prefetch=1):
              if axes == "dataxexpertxcontext"}
     shapes = [(tuple(p.shape), placement_of(p).local_shape) for u in sync.units
               for p in u.params]
-    freed = [f.full.untyped_storage().nbytes() for u in sync.units for f in u.flats]
+    freed = [full.untyped_storage().nbytes() for u in sync.units for f in u.flats
+             for full in f.fulls.values()]
     owned = sum(p.numel() for p in engine.optimizer.owned)
     total = sum(torch.Size(placement_of(p).global_shape).numel()
                 for p in engine.model.parameters())

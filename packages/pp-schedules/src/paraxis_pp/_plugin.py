@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from paraxis.config.parallel import PIPELINE_SCHEDULES
+from paraxis.config.parallel import PIPELINE_SCHEDULES, V_SCHEDULES
 from paraxis.parallel.hookspecs import hookimpl
 from paraxis.parallel.strategy import ApplyContext, Strategy
 
@@ -60,7 +61,12 @@ def _timeline(args: argparse.Namespace) -> int:
     from paraxis_pp.simulate import simulate, theoretical_bubble
     from paraxis_pp.timeline import render_svg, render_text
 
-    schedule = build(args.schedule, args.stages, args.microbatches, args.chunks)
+    chunks = args.chunks or (2 if args.schedule in V_SCHEDULES else 1)
+    try:
+        schedule = build(args.schedule, args.stages, args.microbatches, chunks)
+    except ValueError as exc:  # degrees the schedule cannot hold: one line, no trace
+        print(f"paraxis pp-timeline: {exc}", file=sys.stderr)
+        return 2
     t = simulate(schedule, f=args.f, b=args.b, w=args.w)
     Path(args.out).write_text(render_svg(t))
     print(render_text(t))
@@ -73,9 +79,11 @@ def _timeline(args: argparse.Namespace) -> int:
 def paraxis_cli_commands(subparsers: Any) -> None:
     cmd = subparsers.add_parser("pp-timeline", help=_timeline.__doc__)
     cmd.add_argument("--schedule", default="1f1b", choices=PIPELINE_SCHEDULES)
-    cmd.add_argument("--stages", type=int, default=4)
+    cmd.add_argument("--stages", type=int, default=4,
+                     help="pipeline ranks (the stages, when each holds one chunk)")
     cmd.add_argument("--microbatches", type=int, default=8)
-    cmd.add_argument("--chunks", type=int, default=1)
+    cmd.add_argument("--chunks", type=int, default=None,
+                     help="model chunks per rank (default: 2 for zbv and dualpipev, else 1)")
     cmd.add_argument("--f", type=float, default=1.0, help="forward cost")
     cmd.add_argument("--b", type=float, default=1.0, help="input-gradient cost")
     cmd.add_argument("--w", type=float, default=1.0, help="weight-gradient cost")

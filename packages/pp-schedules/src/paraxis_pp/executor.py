@@ -1,11 +1,13 @@
 """Run a schedule: this rank's actions in order, activations forward and their gradients
-backward between adjacent stages with batched isend/irecv.
+backward between adjacent stages (:class:`paraxis_pp.mailbox.Mailbox`).
 
 Sends are asynchronous and awaited at the end of the step (a legal schedule never needs
-a send to finish before the sender's next action); receives block until their data is
-there. Tags encode (kind, microbatch, stage), so messages never match the wrong receive.
-Activations of a microbatch are dropped as soon as its backward (or, for a split
-backward, its weight gradient) has run. Each action's compute time is recorded for the
+a send to finish before the sender's next action); the receives of the next
+``RECEIVES_AHEAD`` actions are posted before an action computes, and an action blocks
+only until its own data is there. Adjacent stages on the same rank (the turn of a V
+placement, stages ``p-1`` and ``p``) hand their tensors over in memory. Activations of a
+microbatch are dropped as soon as its whole backward (B) or its weight gradient (W,
+after a split backward's I) has run. Each action's compute time is recorded for the
 measured timeline.
 
 Auxiliary-loss carries (:class:`paraxis.parallel.batch.AuxLosses`): when a strategy declared one,
@@ -31,7 +33,8 @@ from paraxis.runtime.differentiable import autocast_dtype
 from paraxis.runtime.grid import AxisGroup
 from paraxis.runtime.liveness import guard
 from paraxis.runtime.world import device_for_rank
-from paraxis_pp.schedules import Action, Schedule
+from paraxis_pp.actions import Action, Schedule
+from paraxis_pp.mailbox import Mailbox
 from paraxis_pp.simulate import Timeline
 
 try:  # torch's own B/W split (what its zero-bubble schedules use); private but stable
@@ -44,12 +47,9 @@ except ImportError:  # pragma: no cover - older torch: W re-walks the graph inst
 
 __all__ = ["PipelineRunner"]
 
-# Hidden states forward, gradients backward, and the auxiliary carry both ways.
-KINDS = {"F": 0, "B": 1, "CF": 2, "CB": 3}
-
-
-def _tag(kind: str, mb: int, stage: int) -> int:
-    return (mb * len(KINDS) + KINDS[kind]) * 1024 + stage
+# Receives posted ahead of the action that needs them: the next actions' (each holds one
+# microbatch's hidden states until its action runs).
+RECEIVES_AHEAD = 2
 
 
 @dataclass
@@ -89,32 +89,32 @@ class PipelineRunner:
             self.device = device_for_rank()
         # (action, start, end) in the machine's monotonic clock, shared by local ranks.
         self.timeline: list[tuple[Action, float, float]] = []
-        self._wire = torch.float32  # this step's dtype of hidden states on the wire
+        self.mail = Mailbox(group, schedule, self.device)
 
     # ---- messaging ---------------------------------------------------------------
 
-    def _peer(self, stage: int) -> int:
-        return self.group.ranks[self.schedule.place(stage)[0]]
-
-    def _send(self, t: torch.Tensor, stage: int, kind: str, mb: int, src_stage: int) -> Any:
-        # Hidden states and their gradients travel in the step's wire dtype; carries
-        # stay float64.
-        t = (t if kind.startswith("C") else t.to(self._wire)).contiguous()
-        op = dist.P2POp(dist.isend, t, self._peer(stage), self.group.pg,
-                        _tag(kind, mb, src_stage))
-        self.group.stats.add(self.group.axes, "send", t.numel() * t.element_size())
-        return dist.batch_isend_irecv([op])
+    def _send(self, t: torch.Tensor, stage: int, kind: str, mb: int, src_stage: int) -> list:
+        return self.mail.send(t, stage, kind, mb, src_stage)
 
     def _recv(self, shape: tuple[int, ...], stage: int, kind: str, mb: int,
               src_stage: int) -> torch.Tensor:
-        dtype = torch.float64 if kind.startswith("C") else self._wire
-        buf = torch.empty(shape, device=self.device, dtype=dtype)
-        op = dist.P2POp(dist.irecv, buf, self._peer(stage), self.group.pg,
-                        _tag(kind, mb, src_stage))
-        with guard(self.group, "recv"):  # a dead neighbour is named, not waited for
-            for work in dist.batch_isend_irecv([op]):
-                work.wait()  # mostly waiting for the other stage's compute: the bubble
-        return buf if dtype in (torch.float32, torch.float64) else buf.float()
+        return self.mail.recv(shape, stage, kind, mb, src_stage)
+
+    def _post_receives(self, a: Action, st: _Step) -> None:
+        """Post the receives action ``a`` will wait on (see :mod:`paraxis_pp.mailbox`)."""
+        s = self.schedule
+        stage, last = s.stage(self.rank, a.chunk), s.stages - 1
+        shape = self._hidden_shape(st.microbatches[a.mb])
+        if a.kind == "F" and stage > 0:
+            self.mail.post(shape, stage - 1, "F", a.mb, stage - 1)
+            if st.carrying:
+                self.mail.post((self.ctx.aux_losses.carry_size,), stage - 1, "CF", a.mb,
+                               stage - 1)
+        elif a.kind in ("B", "I") and stage < last:
+            self.mail.post(shape, stage + 1, "B", a.mb, stage + 1)
+            if st.carrying:
+                self.mail.post((self.ctx.aux_losses.carry_size,), stage + 1, "CB", a.mb,
+                               stage + 1)
 
     def _hidden_shape(self, mb: Batch) -> tuple[int, int, int]:
         b, s = mb.input_ids.shape
@@ -138,12 +138,14 @@ class PipelineRunner:
         # Under bf16/fp16 hidden states and their gradients cross stages in that dtype
         # (half the bytes; one rounding more, as the residual stream is fp32).
         with self.ctx.forward_context():
-            self._wire = autocast_dtype(self.device.type) or torch.float32
+            self.mail.reset(autocast_dtype(self.device.type) or torch.float32)
         with torch.set_grad_enabled(train):
-            for a in actions:
+            for i, a in enumerate(actions):
+                for ahead in actions[i + 1:i + 1 + RECEIVES_AHEAD]:
+                    self._post_receives(ahead, st)
                 if a.kind == "F":
                     self._forward_action(a, st)
-                elif a.kind == "B":
+                elif a.kind in ("B", "I"):
                     self._backward_action(a, st)
                 else:  # W: weight gradients of a split backward
                     start = time.perf_counter()
@@ -188,9 +190,9 @@ class PipelineRunner:
         if st.carrying and not last:
             outs += self._backward_aux(key, stage, st)
         start = time.perf_counter()
-        x_grad = self._backward(key, outs, grad, st, stage)
-        if stage > 0 or not self.schedule.split_backward:  # stage 0's split B does nothing
-            self._record(a, start)  # (its whole backward runs at W): no B to measure
+        x_grad = self._backward(key, outs, grad, st, stage, whole=a.kind == "B")
+        if stage > 0 or a.kind == "B":  # stage 0's I does nothing (its whole backward
+            self._record(a, start)  # runs at W): no I to measure
         if stage > 0:
             st.sends += self._send(x_grad, stage - 1, "B", a.mb, stage)
         if st.carrying:
@@ -237,19 +239,22 @@ class PipelineRunner:
         return [grad, *(torch.ones_like(o) for o in outs[1:])]
 
     def _backward(self, key: tuple[int, int], outs: list[torch.Tensor],
-                  grad: torch.Tensor | None, st: _Step, stage: int) -> torch.Tensor | None:
+                  grad: torch.Tensor | None, st: _Step, stage: int, *, whole: bool,
+                  ) -> torch.Tensor | None:
+        """The whole backward (``whole``: B), or a split backward's input gradient (I),
+        leaving what its W needs in ``st.grads``."""
         inputs, outputs, grads = st.inputs, st.outputs, st.grads
         x = inputs[key]
         live = [(o, g) for o, g in zip(outs, self._grad_list(outs, grad), strict=True)
                 if o.requires_grad]
-        if not self.schedule.split_backward:
+        if whole:
             if live:
                 torch.autograd.backward([o for o, _ in live], [g for _, g in live])
             inputs.pop(key), outputs.pop(key)  # activations freed now
             return (x.grad if x.grad is not None else torch.zeros_like(x)) if stage > 0 \
                 else None
         # Split backward: the input gradient now (on the critical path), the weight
-        # gradients at the W action. With torch's helpers B keeps the intermediate
+        # gradients at the W action. With torch's helpers I keeps the intermediate
         # gradients W needs, so nothing is computed twice; without them W walks the
         # graph again from the output.
         if stage == 0:  # no input gradient to send: all the work happens at W

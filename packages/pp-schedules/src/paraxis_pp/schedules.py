@@ -1,70 +1,44 @@
 """Pipeline schedules as data: for each rank, the ordered actions it runs in one step.
 
-An :class:`Action` is the forward (``F``), backward (``B``; input gradient only when the
-schedule splits the backward) or weight-gradient (``W``) of one microbatch on one model
-chunk. Sends and receives are implied: a forward's output goes to the next stage, a
-backward's input gradient to the previous one. With ``v`` chunks per rank (interleaved),
-global stage ``s`` lives on rank ``s % p`` as chunk ``s // p`` (Megatron's placement).
+An :class:`Action` is one pass of one microbatch on one model chunk, named as
+torch.distributed.pipelining names them: the forward (``F``), the whole backward
+(``B``), or a backward split in two (Qi et al., arXiv:2401.10241): the input gradient
+(``I``, on the critical path) and the weight gradient (``W``, free to move). Sends and
+receives are implied: a forward's output goes to the next stage, an input gradient to
+the previous one.
+
+Where the stages live is part of the schedule (:attr:`Schedule.placement`): ``looped``
+puts global stage ``s`` on rank ``s % p`` as chunk ``s // p`` (Megatron's interleaved
+placement; one chunk per rank is the plain pipeline); ``v`` folds the stages into a V,
+rank ``r`` holding stage ``r`` as chunk 0 and stage ``2p-1-r`` as chunk 1 (the V-shape of
+ZB-V and DualPipeV), so the first and last stage share rank 0 and the turn of the V
+(stages ``p-1`` and ``p``) passes on rank ``p-1`` without a message.
 
 Builders: :func:`gpipe` (Huang et al., arXiv:1811.06965), :func:`one_f_one_b`
 (PipeDream-Flush, Narayanan et al., arXiv:2006.09503), :func:`interleaved_1f1b`
 (Narayanan et al., arXiv:2104.04473), :func:`zero_bubble_h1` (Qi et al.,
-arXiv:2401.10241). Schedules are checked by :mod:`paraxis_pp.check` and dry-run by
-:mod:`paraxis_pp.simulate` without processes.
+arXiv:2401.10241); the V schedules in :mod:`paraxis_pp.vshape`; the data in
+:mod:`paraxis_pp.actions`. Schedules are checked
+by :mod:`paraxis_pp.check` and dry-run by :mod:`paraxis_pp.simulate` without processes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
-__all__ = ["SCHEDULES", "Action", "Schedule", "build", "gpipe", "interleaved_1f1b",
-           "one_f_one_b", "zero_bubble_h1"]
+from paraxis.config.parallel import V_SCHEDULES
+from paraxis_pp.actions import KINDS, PLACEMENTS, Action, Schedule
+from paraxis_pp.vshape import dualpipev, zbv
 
-
-@dataclass(frozen=True)
-class Action:
-    kind: str  # "F", "B" or "W"
-    mb: int
-    chunk: int = 0
-
-    def __str__(self) -> str:
-        return f"{self.kind}{self.mb}" + (f"c{self.chunk}" if self.chunk else "")
-
-
-@dataclass(frozen=True)
-class Schedule:
-    name: str
-    ranks: int
-    microbatches: int
-    chunks: int
-    split_backward: bool
-    actions: tuple[tuple[Action, ...], ...]  # per rank
-
-    @property
-    def stages(self) -> int:
-        return self.ranks * self.chunks
-
-    def stage(self, rank: int, chunk: int) -> int:
-        return chunk * self.ranks + rank
-
-    def place(self, stage: int) -> tuple[int, int]:
-        """(rank, chunk) holding global stage ``stage``."""
-        return stage % self.ranks, stage // self.ranks
-
-    def table(self) -> str:
-        """One line per rank, the actions in order, for logs and docs."""
-        width = max(len(str(a)) for row in self.actions for a in row)
-        return "\n".join(f"rank {r}: " + " ".join(str(a).ljust(width) for a in row)
-                         for r, row in enumerate(self.actions))
-
+__all__ = ["KINDS", "PLACEMENTS", "SCHEDULES", "V_SCHEDULES", "Action", "Schedule", "build",
+           "gpipe", "interleaved_1f1b", "one_f_one_b", "zero_bubble_h1"]
 
 def gpipe(ranks: int, microbatches: int) -> Schedule:
     """All forwards, then all backwards."""
     m = microbatches
     rows = tuple(tuple([Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)])
                  for _ in range(ranks))
-    return Schedule("gpipe", ranks, m, 1, False, rows)
+    return Schedule("gpipe", ranks, m, 1, rows)
 
 
 def one_f_one_b(ranks: int, microbatches: int) -> Schedule:
@@ -78,7 +52,7 @@ def one_f_one_b(ranks: int, microbatches: int) -> Schedule:
             row += [Action("F", warm + i), Action("B", i)]
         row += [Action("B", i) for i in range(m - warm, m)]
         rows.append(tuple(row))
-    return Schedule("1f1b", ranks, m, 1, False, tuple(rows))
+    return Schedule("1f1b", ranks, m, 1, tuple(rows))
 
 
 def interleaved_1f1b(ranks: int, microbatches: int, chunks: int) -> Schedule:
@@ -104,15 +78,15 @@ def interleaved_1f1b(ranks: int, microbatches: int, chunks: int) -> Schedule:
             row += [forward(warm + i), backward(i)]
         row += [backward(k) for k in range(total - warm, total)]
         rows.append(tuple(row))
-    return Schedule("interleaved_1f1b", p, m, v, False, tuple(rows))
+    return Schedule("interleaved_1f1b", p, m, v, tuple(rows))
 
 
 def zero_bubble_h1(ranks: int, microbatches: int) -> Schedule:
-    """ZB-H1: the backward split into input gradient (B, on the critical path) and
+    """ZB-H1: the backward split into input gradient (I, on the critical path) and
     weight gradient (W, free to move), ordered by the greedy rule of Qi et al.'s
-    scheduler under 1F1B's memory limit: at each free moment rank ``r`` runs a ready B,
-    else a ready F if fewer than ``p - r`` microbatches await their B, else a pending W;
-    at most ``p - r - 1`` W's wait at once. B frees most of a microbatch's activations
+    scheduler under 1F1B's memory limit: at each free moment rank ``r`` runs a ready I,
+    else a ready F if fewer than ``p - r`` microbatches await their I, else a pending W;
+    at most ``p - r - 1`` W's wait at once. I frees most of a microbatch's activations
     (W keeps only its layer inputs and output gradients), so the deferred W's fill the
     drain where 1F1B idles. Orders are derived with unit costs for F, B and W."""
     p, m = ranks, microbatches
@@ -129,13 +103,13 @@ def zero_bubble_h1(ranks: int, microbatches: int) -> Schedule:
             t = free[r]
             i, j = next_b[r], next_f[r]
             b_ready = i < m and ("F", i, r) in done and (
-                r == p - 1 or done.get(("B", i, r + 1), float("inf")) <= t)
+                r == p - 1 or done.get(("I", i, r + 1), float("inf")) <= t)
             f_ready = j < m and alive[r] < p - r and (
                 r == 0 or done.get(("F", j, r - 1), float("inf")) <= t)
             if len(pending[r]) > p - r - 1:  # bound the deferred weight gradients
                 action = Action("W", pending[r].pop(0))
             elif b_ready:
-                action = Action("B", i)
+                action = Action("I", i)
                 next_b[r] += 1
                 pending[r].append(i)
                 alive[r] -= 1
@@ -158,7 +132,7 @@ def zero_bubble_h1(ranks: int, microbatches: int) -> Schedule:
             waiting = min(free)
             bump = min(later) if later else waiting + 1.0
             free = [max(f, bump) if f == waiting else f for f in free]
-    return Schedule("zero_bubble_h1", p, m, 1, True, tuple(tuple(r) for r in rows))
+    return Schedule("zero_bubble_h1", p, m, 1, tuple(tuple(r) for r in rows))
 
 
 SCHEDULES: dict[str, Callable[..., Schedule]] = {
@@ -166,6 +140,8 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "1f1b": one_f_one_b,
     "interleaved_1f1b": interleaved_1f1b,
     "zero_bubble_h1": zero_bubble_h1,
+    "zbv": zbv,
+    "dualpipev": dualpipev,
 }
 
 
@@ -174,6 +150,11 @@ def build(name: str, ranks: int, microbatches: int, chunks: int = 1) -> Schedule
         raise ValueError(f"unknown pipeline schedule {name!r}; known: {sorted(SCHEDULES)}")
     if name == "interleaved_1f1b":
         return interleaved_1f1b(ranks, microbatches, chunks)
+    if name in V_SCHEDULES:
+        if chunks != 2:
+            raise ValueError(f"schedule {name!r} places exactly two chunks per rank in a "
+                             f"V (stages r and 2p-1-r), not {chunks}")
+        return SCHEDULES[name](ranks, microbatches)
     if chunks != 1:
         raise ValueError(f"schedule {name!r} runs one chunk per rank, not {chunks}")
     return SCHEDULES[name](ranks, microbatches)

@@ -2,7 +2,8 @@
 
 Each rank runs its actions in order; an action starts when the rank is free and its
 dependencies (:func:`paraxis_pp.check.dependencies`) have finished, plus ``comm`` when
-the dependency ran on another rank. Without a split backward, ``B`` costs ``B + W``.
+the dependency ran on another rank. ``f``, ``b`` and ``w`` are the costs of a forward,
+an input gradient and a weight gradient; a whole backward (``B``) costs ``b + w``.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paraxis.parallel.bubble import closed_form_bubble
-from paraxis_pp.check import check, dependencies
+from paraxis_pp.check import check, dependencies, passes
 from paraxis_pp.schedules import Action, Schedule
 
 __all__ = ["Timeline", "simulate", "theoretical_bubble"]
@@ -42,7 +43,7 @@ class Timeline:
 
 def simulate(s: Schedule, *, f: float = 1.0, b: float = 1.0, w: float = 1.0,
              comm: float = 0.0) -> Timeline:
-    cost = {"F": f, "B": b if s.split_backward else b + w, "W": w}
+    cost = {"F": f, "B": b + w, "I": b, "W": w}
     legal = check(s)  # a global order that respects every dependency
     end: dict[tuple[str, int, int], tuple[float, int]] = {}
     free = [0.0] * s.ranks
@@ -53,7 +54,7 @@ def simulate(s: Schedule, *, f: float = 1.0, b: float = 1.0, w: float = 1.0,
             t, where = end[dep]
             start = max(start, t + (comm if where != r else 0.0))
         stop = start + cost[a.kind]
-        end[(a.kind, a.mb, s.stage(r, a.chunk))] = (stop, r)
+        end.update((done, (stop, r)) for done in passes(s, r, a))
         free[r] = stop
         rows[r].append((a, start, stop))
     return Timeline(s.ranks, tuple(tuple(row) for row in rows), s.name)

@@ -85,7 +85,10 @@ class PipelineStrategy(Strategy):
                 set_placement(p, dataclasses.replace(
                     placement_of(p), stage=stage, tied=is_tied,
                     mirror=is_tied and stage == last and 0 not in mine))
-        if tied and (0 in mine or last in mine) and ctx.grid.embedding is not None:
+        # The first and last stage on two ranks sum the tied gradient over the embedding
+        # group; on one rank (a V placement's rank 0) both uses already accumulate into
+        # the one parameter the two chunks share.
+        if tied and (0 in mine) != (last in mine) and ctx.grid.embedding is not None:
             ctx.grad_syncs.append(TiedGradSync(chunks, ctx.grid.embedding))
         ctx.pipeline = PipelineLayout(tuple(mine), tuple(ranges))
         runner = PipelineRunner(chunks, schedule, group, ctx, forward_kwargs,

@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 
 from paraxis.config.errors import Problem
-from paraxis.config.parallel import ParallelConfig
+from paraxis.config.parallel import SPLIT_BACKWARD_SCHEDULES, ParallelConfig
 from paraxis.config.rules import divides, divisors
 from paraxis.config.shape import ModelShape
 
@@ -64,8 +64,9 @@ def _check_overlap(config: ParallelConfig) -> list[Problem]:
                         "all-gathers and reduce-scatters with the GEMMs; without "
                         "sequence_parallel there are none", "set sequence_parallel: true, "
                         "or tensor_overlap: auto")]
-    if par.pipeline > 1 and config.schedule.pipeline_schedule == "zero_bubble_h1":
-        return [Problem("parallelism.tensor_overlap", "on", "zero_bubble_h1 splits the "
+    schedule = config.schedule.pipeline_schedule
+    if par.pipeline > 1 and schedule in SPLIT_BACKWARD_SCHEDULES:
+        return [Problem("parallelism.tensor_overlap", "on", f"{schedule} splits the "
                         "backward into input and weight passes, and a fused node (its "
                         "ring transfers, its weight gradients) would run in both; not "
                         "supported", "use another pipeline_schedule, or tensor_overlap: "

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from paraxis.config.errors import Problem
+from paraxis.config.parallel import SPLIT_BACKWARD_SCHEDULES
 from paraxis.parallel.anatomy import Anatomy
 from paraxis.parallel.model_plan import ModelPlan
 from paraxis.parallel.numerics import REDUCTION_RTOL
@@ -137,9 +138,10 @@ class TensorParallelStrategy(Strategy):
         plan.require("tensor")
         group = ctx.grid.group("tensor")
         sp = ctx.config.parallelism.sequence_parallel
-        # zero_bubble_h1's split backward would run a fused node in both passes (rules.py)
+        # A split backward (ZB-H1, ZB-V, DualPipeV) would run a fused node in both passes
+        # (rules.py)
         split_backward = ctx.config.parallelism.pipeline > 1 and \
-            ctx.config.schedule.pipeline_schedule == "zero_bubble_h1"
+            ctx.config.schedule.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES
         overlap = sp and not split_backward and overlap_wanted(
             ctx.config.parallelism.tensor_overlap, group)
         device = next(model.parameters()).device

@@ -23,6 +23,19 @@ Recomputation (activation checkpointing) runs a layer's forward again inside its
 backward, after the gradient hook has gathered it: it re-gathers by construction. The
 root unit is gathered for the whole forward and backward. Under ``no_sync`` gradients
 accumulate whole (as FSDP2 without gradient sync); the final microbatch reduces them.
+
+Units are gathered in the dtype the forward computes in (autocast's under
+``train.precision`` bf16 or fp16, read when each forward starts; backward re-gathers in
+the same), so the fp32 parity probe still gathers fp32. The token embedding's lookup is
+no autocast op: with a bf16 table its output would turn the residual stream bf16, so it
+is cast back to the master dtype (the table is rounded once, as FSDP2's and Megatron's
+bf16 parameters round it; the stream stays fp32 as under autocast alone).
+
+Beside a pipeline (issue 36) every microbatch runs forward and backward at its own
+time, so a unit is gathered once per step, at its first forward, and kept through the
+schedule; its gradients accumulate whole (fp32) and are reduce-scattered once, when
+the schedule is done (torchtitan's ``reshard_after_forward=False`` for pipeline
+stages): one all-gather and one reduce-scatter per step instead of 2m + 1.
 """
 
 from __future__ import annotations
@@ -33,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from paraxis.parallel.anatomy import Anatomy
 from paraxis.parallel.buckets import FlatAllReduce, SyncSwitch
@@ -41,6 +54,7 @@ from paraxis.parallel.placement import placement_of
 from paraxis.parallel.stages import chunks_of
 from paraxis.parallel.strategy import SyncOrder
 from paraxis.runtime.grid import Grid
+from paraxis_zero.groups import shard_groups
 from paraxis_zero.layout import ShardLayout
 from paraxis_zero.sharded_unit import Fill, ShardedUnit
 from paraxis_zero.units import find_units
@@ -50,12 +64,18 @@ __all__ = ["ShardedParameters"]
 
 
 def _layouts(params: list[nn.Parameter], grid: Grid) -> list[ShardLayout]:
-    """One layout per (sync group, dtype) among ``params``, in first-seen order."""
+    """One layout per (sync group, dtype, trainable) among ``params``, in first-seen
+    order: frozen parameters get layouts of their own, which no reduction touches."""
     by_key: dict[tuple[Any, ...], list[nn.Parameter]] = {}
     for p in params:
-        by_key.setdefault((placement_of(p).grad_sync_axes, p.dtype), []).append(p)
-    return [ShardLayout.build(grid.group(axes), ps, grid.token_replicas)
-            for (axes, _), ps in by_key.items()]
+        key = (placement_of(p).grad_sync_axes, p.dtype, p.requires_grad)
+        by_key.setdefault(key, []).append(p)
+    out = []
+    for (axes, _, _), ps in by_key.items():
+        groups = shard_groups(grid, axes)
+        out.append(ShardLayout.build(groups.shard, ps, grid.token_replicas,
+                                     replicas=groups.replicas, split=groups.split))
+    return out
 
 
 @torch.no_grad()
@@ -71,31 +91,40 @@ def _draw_whole(p: nn.Parameter, fill: Fill, device: torch.device | None) -> Non
     torch.utils.swap_tensors(p, new)
 
 
+def _compute_dtype(kind: str) -> torch.dtype | None:
+    """The dtype this forward's matmuls run in: autocast's, or None (as held)."""
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+
+
 # Reduce-scatters whose send buffers may be alive at once during backward.
 IN_FLIGHT = 2
 
 
 class ShardedParameters(SyncSwitch):
     """Gradient synchronizer and shard owner for ZeRO stage 3 (``SyncOrder.DATA``); the
-    parameters it keeps whole are its follower's (:class:`FlatAllReduce`)."""
+    parameters it keeps whole are its follower's (:class:`FlatAllReduce`). ``keep``:
+    units stay gathered from their first forward to :meth:`finish` (beside a
+    pipeline)."""
 
     order = SyncOrder.DATA
 
     def __init__(self, model: nn.Module, *, grid: Grid, anatomy: Anatomy,
                  bucket_bytes: int, whole_below: int = WHOLE_BELOW, prefetch: int = 1,
                  wire_dtype: torch.dtype | None = None, fill: Fill | None = None,
-                 device: torch.device | None = None):
-        self.grid, self.prefetch = grid, prefetch
-        params = [p for p in model.parameters() if p.requires_grad]
-        self.whole_params = [p for p in params if keep_whole(p, grid, whole_below)]
+                 device: torch.device | None = None, keep: bool = False):
+        self.grid, self.prefetch, self.keep = grid, prefetch, keep
+        self.compute: torch.dtype | None = None  # this step's forward dtype
+        params = list(model.parameters())
+        self.device_type = (device or params[0].device).type if params else "cpu"
+        whole = [p for p in params if keep_whole(p, grid, whole_below)]
         if fill is not None:  # a deferred model: whole ones first (the buckets read them)
-            for p in self.whole_params:
+            for p in whole:
                 _draw_whole(p, fill, device)
+        self.whole_params = [p for p in whole if p.requires_grad]
         self.whole = FlatAllReduce(self.whole_params, grid, bucket_bytes, wire_dtype=wire_dtype)
         self.followers = (self.whole,)
         sharded = [p for p in params if not keep_whole(p, grid, whole_below)]
         self.units: list[ShardedUnit] = []  # forward order; the roots first
-        self.roots: dict[int, ShardedUnit | None] = {}
         self._handles: list[Any] = []
         left = {id(p) for p in sharded}
         for chunk in chunks_of(model):  # chunks share no parameter but a tied one
@@ -105,23 +134,23 @@ class ShardedParameters(SyncSwitch):
             root = ShardedUnit("root", chunk, _layouts(rest, grid), wire_dtype=wire_dtype,
                                reshard_after_forward=False, fill=fill,
                                device=device) if rest else None
-            self.roots[id(chunk)] = root
             units = [ShardedUnit(s.name, s.module, _layouts(s.params, grid),
                                  wire_dtype=wire_dtype, fill=fill, device=device)
                      for s in specs]
             self._hook_root(chunk, root, units[0] if units else None)
+            self._hook_embedding(anatomy.embedding_of(chunk))
             for unit in units:
                 self._hook(unit)
             self.units += ([root] if root else []) + units
         self._backward_order = list(reversed(self.units))
-        self._unit_of = {p: u for u in self.units for p in u.params}
+        self._unit_of = {p: u for u in self.units for p in u.trainable}
         self._handles += [p.register_post_accumulate_grad_hook(self._on_grad)
                           for p in self._unit_of]
         self._next = 0  # next unit (backward order) whose reduce-scatter may start
         self._released = 0  # units before it (backward order) hold no send buffer
 
     def optimizer_params(self) -> list[nn.Parameter]:
-        return [p for u in self.units for p in u.params] + self.whole_params
+        return [p for u in self.units for p in u.trainable] + self.whole_params
 
     # ---- forward ----------------------------------------------------------------------
 
@@ -134,13 +163,14 @@ class ShardedParameters(SyncSwitch):
             j = i + direction * k
             if not 0 <= j < len(self.units) or self.units[j].name == "root":
                 return
-            self.units[j].start_gather()
+            self.units[j].start_gather(self.compute)
 
     def _hook_root(self, chunk: nn.Module, root: ShardedUnit | None,
                    first: ShardedUnit | None) -> None:
         def pre(module: nn.Module, args: Any) -> None:
+            self.compute = _compute_dtype(self.device_type)
             if root is not None:
-                root.gather()
+                root.gather(self.compute)
             if first is not None:
                 self._prefetch(first, 1, itself=True)
 
@@ -151,9 +181,30 @@ class ShardedParameters(SyncSwitch):
         self._handles += [chunk.register_forward_pre_hook(pre, prepend=True),
                           chunk.register_forward_hook(post)]
 
+    def _hook_embedding(self, embedding: nn.Module | None) -> None:
+        """Cast the token embedding's output back to its master dtype when the table
+        was gathered in the compute dtype (see the module docstring)."""
+        masters = {placement_of(p).dtype for p in embedding.parameters()} \
+            if embedding is not None else set()
+        if len(masters) != 1:
+            return
+        (master,) = masters
+
+        def post(module: nn.Module, args: Any, output: Any) -> Any:
+            low = self.compute
+            if low is None:
+                return output
+            return tree_map(lambda t: t.to(master) if isinstance(t, torch.Tensor)
+                            and t.dtype == low else t, output)
+
+        assert embedding is not None
+        self._handles.append(embedding.register_forward_hook(post))
+
     def _hook(self, unit: ShardedUnit) -> None:
         def pre(module: nn.Module, args: Any) -> None:
-            unit.gather()
+            unit.gather(self.compute)
+            if self.keep:  # what a split backward's weight pass left, in fp32
+                unit.fold()
             self._prefetch(unit, 1)
 
         def post(module: nn.Module, args: Any, output: Any) -> None:
@@ -163,7 +214,7 @@ class ShardedParameters(SyncSwitch):
                 if tensors:
                     register_multi_grad_hook(tensors, lambda _: self._pre_backward(unit),
                                              mode="any")
-            if unit.reshard_after_forward or not torch.is_grad_enabled():
+            if not torch.is_grad_enabled() or (unit.reshard_after_forward and not self.keep):
                 unit.reshard()
 
         self._handles += [unit.module.register_forward_pre_hook(pre, prepend=True),
@@ -172,15 +223,21 @@ class ShardedParameters(SyncSwitch):
     # ---- backward ---------------------------------------------------------------------
 
     def _pre_backward(self, unit: ShardedUnit) -> None:
-        unit.gather()
+        unit.gather(self.compute)
+        if self.keep:
+            unit.fold()
         self._prefetch(unit, -1)
 
     def _on_grad(self, param: nn.Parameter) -> None:
         unit = self._unit_of[param]
+        if not self.sync or self.keep or unit.accumulating:
+            unit.fold(param)  # a bf16 gradient that waits for more: into fp32
         unit.ready.add(id(param))
-        if len(unit.ready) < len(unit.params):
+        if len(unit.ready) < len(unit.trainable):
             return
         unit.ready.clear()
+        if self.keep:  # gathered until the schedule is done; reduced at finish
+            return
         if self.sync:
             unit.prepare_reduce()
             self._launch_ready()
@@ -207,6 +264,8 @@ class ShardedParameters(SyncSwitch):
             if not unit.prepared:
                 unit.prepare_reduce()
             unit.launch_reduce()
+            if self.keep:  # its whole gradients are gone: free the unit too
+                unit.reshard()
         self._next = self._released = 0
         start = time.perf_counter()
         for unit in self._backward_order:

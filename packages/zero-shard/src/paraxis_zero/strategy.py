@@ -69,7 +69,7 @@ class ZeroStrategy(Strategy):
             self.sync = ShardedParameters(model, grid=ctx.grid, anatomy=ctx.anatomy,
                                           bucket_bytes=bucket_bytes, wire_dtype=wire,
                                           prefetch=par.zero_prefetch, fill=fill,
-                                          device=device)
+                                          device=device, keep=ctx.pipeline is not None)
         else:
             self.sync = ShardedOptimizerSync(model, grid=ctx.grid, stage=par.zero,
                                              bucket_bytes=bucket_bytes, wire_dtype=wire)

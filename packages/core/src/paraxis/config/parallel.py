@@ -39,7 +39,9 @@ __all__ = [
     "AXES",
     "PIPELINE_SCHEDULES",
     "SAMPLE_AXES",
+    "SPLIT_BACKWARD_SCHEDULES",
     "TOKEN_AXES",
+    "V_SCHEDULES",
     "CheckpointConfig",
     "MoEConfig",
     "Offload",
@@ -59,7 +61,13 @@ TOKEN_AXES: tuple[str, ...] = BUILTIN_AXES.token_axes
 SAMPLE_AXES: tuple[str, ...] = BUILTIN_AXES.sample_axes
 # The pipeline schedules paraxis-pp-schedules builds (its registry is checked against
 # this list in its tests; the planner and the config read it from here).
-PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1")
+PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1",
+                                       "zbv", "dualpipev")
+# Those placing two chunks per rank in a V (rank r: stages r and 2p-1-r), and those
+# splitting a backward into input and weight gradients (an axis whose backward cannot
+# run in two passes refuses these); paraxis-pp-schedules' tests check both.
+V_SCHEDULES: tuple[str, ...] = ("zbv", "dualpipev")
+SPLIT_BACKWARD_SCHEDULES: tuple[str, ...] = ("zero_bubble_h1", "zbv", "dualpipev")
 
 
 class _Section(BaseModel):
@@ -111,6 +119,11 @@ class Parallelism(_Section):
     # ZeRO-3: units (layers) gathered ahead of the running one in forward and behind it
     # in backward; 0 gathers each unit only when it runs. Each adds a unit's bytes.
     zero_prefetch: int = Field(default=1, ge=0)
+    # Hybrid sharding (HSDP, issue 36): ZeRO over groups of this many data ranks, the
+    # data/zero_shard groups holding replicas of the same shards (reduce-scatter and
+    # gathers inside a group, the shards' gradients all-reduced across groups). None
+    # shards over every data rank. It must divide data.
+    zero_shard: PositiveInt | None = None
     # The dtype gradients travel in on the data and ZeRO reductions: fp32 (gradients
     # are fp32 under every precision, see train.precision), or bf16 to halve the bytes
     # (each rank's gradient rounded to bf16 before the sum, the sum rounded once more).
@@ -128,7 +141,7 @@ class ScheduleConfig(_Section):
     microbatches: PositiveInt = 1
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     pipeline_schedule: Literal[PIPELINE_SCHEDULES] = "1f1b"  # type: ignore[valid-type]
-    virtual_stages: PositiveInt = 1  # model chunks per pipeline rank (interleaved)
+    virtual_stages: PositiveInt = 1  # model chunks per pipeline rank (interleaved; V: 2)
     # First layer of each stage after the first; None: balance by estimated cost.
     pipeline_split: list[int] | None = None
 

@@ -9,14 +9,29 @@ Every layer lands on exactly one stage; no stage is empty.
 
 One definition for the pipeline axis (paraxis-pp-schedules cuts the model with it) and
 the planner (which counts each stage's layers with it), so a plan and a run agree on
-what a stage holds.
+what a stage holds, and which rank holds it (:func:`stage_of`).
 """
 
 from __future__ import annotations
 
 import itertools
 
-__all__ = ["balanced_split", "head_cost", "ranges_from_points", "stage_ranges"]
+__all__ = ["PLACEMENTS", "balanced_split", "head_cost", "ranges_from_points", "stage_of",
+           "stage_ranges"]
+
+PLACEMENTS = ("looped", "v")
+
+
+def stage_of(rank: int, chunk: int, ranks: int, placement: str = "looped") -> int:
+    """The global stage that chunk ``chunk`` of pipeline rank ``rank`` runs. ``looped``:
+    ``chunk·p + rank`` (Megatron's interleaved placement; one chunk is the plain
+    pipeline). ``v``: odd chunks fold back up the ranks, ``(chunk+1)·p - 1 - rank``, so
+    rank ``r`` of a two-chunk V holds stages ``r`` and ``2p-1-r`` (ZB-V, DualPipeV)."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"unknown stage placement {placement!r}; known: {PLACEMENTS}")
+    if placement == "v" and chunk % 2:
+        return (chunk + 1) * ranks - 1 - rank
+    return chunk * ranks + rank
 
 
 def ranges_from_points(num_layers: int, points: list[int]) -> list[tuple[int, int]]:

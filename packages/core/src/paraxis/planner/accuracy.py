@@ -101,6 +101,17 @@ CASES: tuple[Case, ...] = (
          overrides=_LLAMA, train={"precision": "bf16"}),
     Case("dp2-zero1-sgd", "llama", {"data": 2}, {"zero": 1}, overrides=_LLAMA,
          train={"optimizer": "sgd"}),
+    # Issue 36: ZeRO-3 gathering bf16 with bf16 reductions; ZeRO-2 and 3 beside a
+    # pipeline; HSDP (zero_shard 2 of data 4); expert state over data with one local
+    # expert per rank (split along its rows, not its experts).
+    Case("dp2-zero3-bf16-reduce", "llama", {"data": 2}, {"zero": 3, "reduce_dtype": "bf16"},
+         overrides=_LLAMA, train={"precision": "bf16"}),
+    *(Case(f"dp2-pp2-zero{z}", "llama", {"data": 2, "pipeline": 2}, {"zero": z},
+           microbatches=2, overrides=_LLAMA) for z in (2, 3)),
+    Case("dp4-zero3-hsdp2", "llama", {"data": 4}, {"zero": 3, "zero_shard": 2},
+         overrides=_LLAMA),
+    Case("ep2-dp2-mixtral-zero1", "mixtral", {"data": 2, "expert": 2}, {"zero": 1},
+         overrides={**_MOE, "num_local_experts": 2}),
 )
 # The test's sample: one 2-rank world, every kind of quantity.
 SAMPLE = ("dp2-zero3", "tp2-sp", "pp2-1f1b")
@@ -189,6 +200,8 @@ def _axis(key: str) -> str | None:
     None for the engine's own whole-grid metrics gather."""
     from paraxis.config.parallel import AXES
 
+    if key == "data_replica":  # HSDP's all-reduce across the shard groups
+        return key
     axes = re.findall("|".join(AXES), key)
     if not axes or len(axes) == len(AXES):
         return None

@@ -13,14 +13,23 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from paraxis.config.parallel import AXES, PIPELINE_SCHEDULES
+from paraxis.config.parallel import AXES, PIPELINE_SCHEDULES, V_SCHEDULES
+from paraxis.planner.efficiency import (
+    BUILTIN,
+    OVERRIDABLE,
+    Efficiency,
+    load_efficiency,
+    override,
+    write_efficiency,
+)
 from paraxis.planner.evaluate import Plan, evaluate, make_layout, problems
 from paraxis.planner.explain import explain
 from paraxis.planner.inputs import Hardware, Workload
 from paraxis.planner.model import ModelCounts, build_on_meta, load_model_source
+from paraxis.planner.reasons import why_slower
 from paraxis.planner.report import format_plan, format_ranking, seed_sentence
 from paraxis.planner.run_checks import HEADROOM, dry_run_verdict, load_counts
-from paraxis.planner.search import Ranking, search, why_slower
+from paraxis.planner.search import Ranking, search
 from paraxis.planner.svg import plan_svg
 from paraxis.planner.units import (
     PlanInputError,
@@ -38,8 +47,8 @@ __all__ = ["add_plan_parser", "run_plan"]
 def add_plan_parser(sub: Any) -> None:
     p = sub.add_parser("plan", help="memory, communication, bubble and step time of a "
                        "layout, or the best layouts for a world size, before any run")
-    p.add_argument("--model", required=True,
-                   help="model directory (config.json), a config.json, or a run YAML")
+    p.add_argument("--model", help="model directory (config.json), a config.json, or a run "
+                   "YAML (required unless --calibrate alone)")
     p.add_argument("--world-size", type=int, help="devices; degrees omitted are searched")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--device-memory", help="per device, e.g. 80GB or 80GiB")
@@ -54,6 +63,8 @@ def add_plan_parser(sub: Any) -> None:
     for axis in AXES:
         p.add_argument(f"--{axis}", type=int, help=f"{axis}-parallel degree")
     p.add_argument("--zero", type=int, choices=range(4))
+    p.add_argument("--zero-shard", type=int, help="ZeRO over groups of this many data "
+                   "ranks, replicated across them (HSDP); default: searched")
     p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction)
     p.add_argument("--expert-tensor", type=int, help="tensor ranks each expert's FFN is "
                    "split over: 1 (experts whole) or the tensor degree")
@@ -67,6 +78,15 @@ def add_plan_parser(sub: Any) -> None:
                         "activations)")
     p.add_argument("--peak-flops", help="per device, e.g. 989e12 or 989T")
     p.add_argument("--bandwidth", help="intra=450GB/s,inter=50GB/s (bytes per second)")
+    p.add_argument("--efficiency", default="h100", metavar="NAME|FILE",
+                   help="the efficiency table timing each kind of work: "
+                        f"{', '.join(BUILTIN)} (default h100: eager PyTorch on an H100 SXM), "
+                        "or a file --calibrate wrote")
+    p.add_argument("--efficiency-set", metavar="KEY=V,...", help="override single figures: "
+                   + "; ".join(f"{k}: {v}" for k, v in OVERRIDABLE.items()))
+    p.add_argument("--calibrate", metavar="FILE", help="measure this machine's efficiency "
+                   "table for ranks of a --world-size run (default 2) and write it to FILE; "
+                   "with --model, plan with it")
     p.add_argument("--top", type=int, default=5, help="layouts shown when searching")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("--explain", action="store_true", help="answer the seed's checks")
@@ -78,22 +98,40 @@ def add_plan_parser(sub: Any) -> None:
     p.set_defaults(func=run_plan)
 
 
+def _efficiency(args: argparse.Namespace) -> Efficiency:
+    if args.calibrate:
+        from paraxis.planner.calibrate import calibrate, summary
+
+        eff = calibrate(world=args.world_size or 2)
+        write_efficiency(eff, args.calibrate)
+        print(f"calibrated, written to {args.calibrate}:\n{summary(eff)}\n")
+    else:
+        eff = load_efficiency(args.efficiency)
+    return override(eff, args.efficiency_set) if args.efficiency_set else eff
+
+
 def _hardware(args: argparse.Namespace) -> Hardware:
+    """The devices: flags first; a table chosen on purpose (--efficiency other than the
+    default, --calibrate) gives the speeds the flags leave out."""
     bw = parse_bandwidth(args.bandwidth) if args.bandwidth else {}
     if args.gpus_per_node < 1:
         raise PlanInputError(f"--gpus-per-node {args.gpus_per_node} must be at least 1")
     if not 0 <= args.headroom < 1:
         raise PlanInputError(f"--headroom {args.headroom} must be in [0, 1), e.g. 0.1")
-    return Hardware(
+    hw = Hardware(
         gpus_per_node=args.gpus_per_node,
         device_memory=parse_bytes(args.device_memory) if args.device_memory else None,
         peak_flops=parse_flops(args.peak_flops) if args.peak_flops else None,
-        intra_bw=bw.get("intra"), inter_bw=bw.get("inter"), headroom=args.headroom)
+        intra_bw=bw.get("intra"), inter_bw=bw.get("inter"), headroom=args.headroom,
+        efficiency=_efficiency(args))
+    chosen = args.calibrate or args.efficiency != "h100" or args.efficiency_set
+    return hw.with_device_speeds() if chosen else hw
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     opts: dict[str, Any] = {}
-    for key, name in (("zero", "zero"), ("sequence_parallel", "sequence_parallel"),
+    for key, name in (("zero", "zero"), ("zero_shard", "zero_shard"),
+                      ("sequence_parallel", "sequence_parallel"),
                       ("expert_tensor", "expert_tensor"),
                       ("recompute", "activation_checkpointing"),
                       ("schedule", "pipeline_schedule"), ("virtual_stages", "virtual_stages"),
@@ -102,6 +140,8 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
             opts[name] = getattr(args, key)
     if opts.get("virtual_stages", 1) > 1 and "pipeline_schedule" not in opts:
         opts["pipeline_schedule"] = "interleaved_1f1b"
+    if opts.get("pipeline_schedule") in V_SCHEDULES:  # a V holds two chunks per rank
+        opts.setdefault("virtual_stages", 2)
     return opts
 
 
@@ -203,7 +243,12 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.model is None and not args.calibrate:
+        raise PlanInputError("--model is required (a model directory, config.json or run "
+                             "YAML), unless --calibrate FILE alone measures this machine")
     hw = _hardware(args)
+    if args.model is None:
+        return 0
     fixed = {a: getattr(args, a) for a in AXES if getattr(args, a) is not None}
     world, searching = _world(args, fixed)
     counts, defaults = load_counts(args.model, args.seq)

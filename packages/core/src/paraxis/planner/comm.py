@@ -9,7 +9,12 @@ data axis travel as ``Workload.grad_wire_bytes`` and ``weight_bytes``.
 * data (ZeRO 0-2): 2Ψ(N-1)/N of gradient bytes Ψ, once per step (all-reduce, or
   reduce-scatter plus all-gather: the same volume; ZeRO section 7). ZeRO-3: 3Ψ(N-1)/N,
   weights all-gathered in forward and again in backward, gradients reduce-scattered;
-  with m microbatches the gathers repeat per microbatch: (2m+1)Ψ(N-1)/N.
+  with m microbatches the gathers repeat per microbatch: (2m+1)Ψ(N-1)/N; beside a
+  pipeline a stage gathers once per step and keeps its units: 2Ψ(N-1)/N. ZeRO-3's
+  gathers move the compute dtype (bf16 under ``train.precision`` bf16). Under HSDP
+  (``zero_shard`` = N of the D data ranks) those stay in the shard group and the
+  rank's gradient shards, Ψ/N, are all-reduced across the D/N groups: 2(Ψ/N)(R-1)/R
+  with R = D/N (``data_replica``, its own link).
 * tensor: 8·b·s·h·(t-1)/t elements per layer per microbatch: Megatron-LM's 4 all-reduces
   of the b·s·h layer output per layer (g after attention and after the MLP in forward,
   f before each in backward; Shoeybi et al., arXiv:1909.08053, section 3), 2(t-1)/t each.
@@ -53,9 +58,9 @@ from dataclasses import dataclass
 
 from paraxis.config.parallel import AXES, TOKEN_AXES, ParallelConfig
 from paraxis.planner.inputs import Workload
-from paraxis.planner.memory import BYTES_PER_PARAM
+from paraxis.planner.memory import BYTES_PER_PARAM, shard_group_sizes
 from paraxis.planner.model import LayerCount, ModelCounts
-from paraxis.planner.schedule import layout_chunks
+from paraxis.planner.schedule import holds_ends, layout_chunks
 
 __all__ = ["AxisComm", "communication", "link_of"]
 
@@ -112,8 +117,8 @@ def communication(counts: ModelCounts, layout: ParallelConfig, work: Workload, *
 
     out: list[AxisComm] = []
     if layout.token_replicas > 1:
-        out.append(_data(layout, work, dense_grad_params, expert_grad_params,
-                         link(*TOKEN_AXES)))
+        out += _data(layout, work, dense_grad_params, expert_grad_params,
+                     link(*TOKEN_AXES), gpus_per_node)
     if t > 1:
         replays = {"none": 0, "selective": 1, "full": 2}[sched.activation_checkpointing]
         volume = max(_tensor_stage(counts, layout, work, r, layer_ids)
@@ -168,7 +173,7 @@ def _tensor_stage(counts: ModelCounts, layout: ParallelConfig, work: Workload, r
                    and not _has_dense_mlp(counts, counts.layers[i]))
     mlp = 2 + (sched.activation_checkpointing == "full")  # the MLP's, replays included
     per_mb = ((4 + replays) * len(layer_ids) - mlp * moe_only) * 2 * sbh * ring
-    first, last = rank == 0, rank == par.pipeline - 1
+    first, last = holds_ends(sched.pipeline_schedule, par.pipeline, rank)
     if first:
         per_mb += 2 * sbh * ring
     elif sp:  # a later stage gathers the sequence-split activations it received
@@ -193,23 +198,56 @@ def _has_dense_mlp(counts: ModelCounts, layer: LayerCount) -> bool:
 
 
 def _data(layout: ParallelConfig, work: Workload, dense: float, expert: float, link: str,
-          ) -> AxisComm:
+          gpus_per_node: int) -> list[AxisComm]:
     """Gradients (and ZeRO's weights) over the replicas: dense over data x expert x
     context, expert parameters over data x context; gradients in
-    ``work.grad_wire_bytes``, gathered weights in ``work.weight_bytes``."""
+    ``work.grad_wire_bytes``, ZeRO 1-2's gathered fp32 masters in ``work.weight_bytes``,
+    ZeRO-3's gathers in the compute dtype (``work.element_size``, issue 36). Under HSDP
+    (``zero_shard``) the reduce-scatter and gathers stay inside the shard groups and the
+    shards' gradients are all-reduced across them: a second entry, ``data_replica``."""
     par, m = layout.parallelism, layout.schedule.microbatches
-    n_dense, n_expert = layout.token_replicas, layout.token_replicas // par.expert
-    grad = dense * (n_dense - 1) / n_dense + expert * (n_expert - 1) / n_expert
+    n_dense, n_expert = shard_group_sizes(layout)
     g, w = work.grad_wire_bytes, work.weight_bytes
+    grad = dense * (n_dense - 1) / n_dense + expert * (n_expert - 1) / n_expert
+    hsdp = bool(par.zero and par.zero_shard and par.zero_shard < par.data)
+    shard_link, replica_link = _hsdp_links(layout, gpus_per_node) if hsdp else (link, link)
     if par.zero == 3:
-        return AxisComm("data", "all-gather x2 per microbatch + reduce-scatter",
-                        grad * (2 * m * w + g), n_dense, link,
+        gathers = 1 if par.pipeline > 1 else 2 * m  # kept through a pipeline's schedule
+        out = [AxisComm("data", f"all-gather x{gathers} per step + reduce-scatter",
+                        grad * (gathers * work.element_size + g), n_dense, shard_link,
                         "prefetched under forward and backward compute",
-                        "weights gathered per microbatch, gradients once per step")
-    op = "all-reduce" if par.zero == 0 else "reduce-scatter + all-gather"
-    return AxisComm("data", op, grad * (2 * g if par.zero == 0 else g + w), n_dense, link,
-                    "bucketed under the backward; the last bucket is exposed",
-                    "gradients once per step")
+                        "weights gathered per microbatch, gradients once per step"
+                        if gathers > 1 else "weights gathered and gradients reduced once "
+                        "per step")]
+    else:
+        op = "all-reduce" if par.zero == 0 else "reduce-scatter + all-gather"
+        out = [AxisComm("data", op, grad * (2 * g if par.zero == 0 else g + w), n_dense,
+                        shard_link, "bucketed under the backward; the last bucket is exposed",
+                        "gradients once per step")]
+    if hsdp:
+        replicas = par.data // (par.zero_shard or par.data)
+        shards = dense / n_dense + expert / n_expert  # this rank's shard of each
+        out.append(AxisComm("data_replica", "all-reduce of the shards' gradients",
+                            2 * shards * (replicas - 1) / replicas * g, replicas,
+                            replica_link, "after the reduce-scatter, in the step's tail",
+                            "the rank's gradient shards once per step"))
+    return out
+
+
+def _hsdp_links(layout: ParallelConfig, gpus_per_node: int) -> tuple[str, str]:
+    """(shard group, replica group) links under HSDP: the shard group is ``zero_shard``
+    consecutive data ranks and the expert and context ranks inside them; the replica
+    group spans the whole data axis."""
+    deg = layout.degrees
+    inner = math.prod(deg[a] for a in AXES[AXES.index("data") + 1:])
+
+    def fits(span: int) -> str:
+        if layout.world_size <= gpus_per_node:
+            return "intra"
+        return "intra" if span <= gpus_per_node and gpus_per_node % span == 0 else "inter"
+
+    shard = layout.parallelism.zero_shard or deg["data"]
+    return fits(inner * shard), fits(inner * deg["data"])
 
 
 def _context(counts: ModelCounts, layout: ParallelConfig, work: Workload, layers: int,

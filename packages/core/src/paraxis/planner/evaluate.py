@@ -16,17 +16,17 @@ from paraxis.config.errors import Problem
 from paraxis.config.parallel import AXES, SAMPLE_AXES, ParallelConfig
 from paraxis.config.rules import check
 from paraxis.planner.comm import AxisComm, communication
-from paraxis.planner.inputs import DEFAULT_HARDWARE, Hardware, Workload
+from paraxis.planner.inputs import Hardware, Workload
 from paraxis.planner.memory import Memory, held_params, rank_layers, rank_memory
 from paraxis.planner.model import ModelCounts
-from paraxis.planner.schedule import Bubble, bubble
+from paraxis.planner.schedule import Bubble, bubble, holds_ends
 from paraxis.planner.step import StepEstimate, estimate_step
 
 __all__ = ["OPTION_KEYS", "Plan", "evaluate", "make_layout", "problems", "unchecked_axes"]
 
 # Options beside the degrees, as ParallelConfig.from_kwargs names them.
 OPTION_KEYS = ("zero", "sequence_parallel", "activation_checkpointing", "pipeline_schedule",
-               "virtual_stages", "context_mode", "expert_tensor")
+               "virtual_stages", "context_mode", "expert_tensor", "zero_shard")
 
 
 def make_layout(degrees: dict[str, int], options: dict[str, Any], work: Workload,
@@ -83,7 +83,7 @@ class Plan:
     memory: tuple[Memory, ...]  # per pipeline rank
     comm: tuple[AxisComm, ...]
     bubble: Bubble
-    step: StepEstimate  # on DEFAULT_HARDWARE's figures when hardware is not timed
+    step: StepEstimate  # speeds not given: the efficiency table's device's
     # Axes whose rules were not checked: their package is not installed.
     unchecked: tuple[str, ...] = ()
 
@@ -103,7 +103,7 @@ class Plan:
 
     def config_dict(self) -> dict[str, Any]:
         par, sched = self.layout.parallelism, self.layout.schedule
-        return {**self.layout.degrees, "zero": par.zero,
+        return {**self.layout.degrees, "zero": par.zero, "zero_shard": par.zero_shard,
                 "sequence_parallel": par.sequence_parallel, "expert_tensor": par.expert_tensor,
                 "recompute": sched.activation_checkpointing,
                 "schedule": sched.pipeline_schedule, "virtual_stages": sched.virtual_stages,
@@ -147,25 +147,18 @@ def evaluate(counts: ModelCounts, layout: ParallelConfig, work: Workload,
     p, v = par.pipeline, sched.virtual_stages
     ranks = range(p) if every_rank else sorted({0, p - 1})
     memory = tuple(rank_memory(counts, layout, work, r) for r in ranks)
-    dense, expert = max((held_params(counts, rank_layers(counts, layout, r), r == 0,
-                                     r == p - 1, par.tensor, par.expert, p)
+    dense, expert = max((held_params(counts, rank_layers(counts, layout, r),
+                                     *holds_ends(sched.pipeline_schedule, p, r),
+                                     par.tensor, par.expert, p)
                          for r in range(p)), key=sum)  # the rank with most gradients
     comm = tuple(communication(counts, layout, work, gpus_per_node=hardware.gpus_per_node,
                                dense_grad_params=dense, expert_grad_params=expert))
     bub = bubble(sched.pipeline_schedule, p, sched.microbatches, v, simulate=simulate,
                  plugin_manager=plugin_manager)
-    timing = hardware if hardware.timed else _with_default_speeds(hardware)
-    step = estimate_step(counts, layout, work, list(comm), bub.fraction, timing)
+    step = estimate_step(counts, layout, work, list(comm), bub.fraction,
+                         hardware.with_device_speeds())
     return Plan(counts, layout, work, hardware, memory, comm, bub, step,
                 unchecked_axes(layout, plugin_manager))
-
-
-def _with_default_speeds(hw: Hardware) -> Hardware:
-    return Hardware(gpus_per_node=hw.gpus_per_node, device_memory=hw.device_memory,
-                    headroom=hw.headroom,
-                    peak_flops=hw.peak_flops or DEFAULT_HARDWARE.peak_flops,
-                    intra_bw=hw.intra_bw or DEFAULT_HARDWARE.intra_bw,
-                    inter_bw=hw.inter_bw or DEFAULT_HARDWARE.inter_bw)
 
 
 def world_of(degrees: dict[str, int]) -> int:

@@ -50,8 +50,11 @@ def _sharded(plan: Plan) -> str:
         parts.append(f"nothing of the model state over the {replicas} data-parallel "
                      "replicas, each of which holds it whole (no ZeRO)")
     else:
-        parts.append(f"ZeRO-{par.zero} shards {zero[par.zero]} over the {replicas} "
-                     "data-parallel replicas")
+        hsdp = par.zero_shard and par.zero_shard < par.data
+        over = (f"groups of {par.zero_shard} of the {par.data} data ranks, replicated "
+                "across the groups (HSDP)") if hsdp else \
+            f"the {replicas} data-parallel replicas"
+        parts.append(f"ZeRO-{par.zero} shards {zero[par.zero]} over {over}")
     acts = {"none": "all activations are stored",
             "selective": "the attention block is recomputed instead of stored",
             "full": "only each layer's input is stored; the rest is recomputed"}
@@ -73,10 +76,13 @@ def _hot(plan: Plan) -> str:
 
 
 def _overlap(plan: Plan) -> str:
+    """How each axis hides, as the engine runs it (paraxis.planner.step)."""
     if not plan.comm:
         return "4. Overlap: nothing to overlap."
-    parts = [f"{a.axis}: {a.overlap} ({fmt_seconds(plan.step.exposed_s.get(a.axis, 0.0))} exposed)"
-             for a in plan.comm]
+    st = plan.step
+    parts = [f"{a.axis}: {st.overlap.get(a.axis, a.overlap)} "
+             f"({fmt_seconds(st.exposed_s.get(a.axis, 0.0))} of "
+             f"{fmt_seconds(st.comm_s.get(a.axis, 0.0))} exposed)" for a in plan.comm]
     return "4. Overlap: " + "; ".join(parts) + "."
 
 
@@ -98,6 +104,11 @@ def _failure_modes(plan: Plan) -> str:
                      "make it the straggler")
     if any(a.axis == "tensor" and a.link == "inter" for a in plan.comm):
         watch.append("tensor-parallel collectives crossing nodes on every layer")
+    exposed = plan.step.exposed_s.get("tensor", 0.0)
+    if exposed > 0.05 * plan.step.step_s:
+        watch.append(f"tensor-parallel collectives exposed on every layer, "
+                     f"{exposed / plan.step.step_s:.0%} of the step "
+                     f"(parallelism.tensor_overlap {par.tensor_overlap})")
     if par.zero == 3:
         watch.append("all-gather latency exposed when a layer's compute is too short to "
                      "hide it, and transient peaks from unevenly sized gathered units")

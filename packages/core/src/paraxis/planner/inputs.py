@@ -4,8 +4,10 @@ is a :class:`paraxis.config.parallel.ParallelConfig`, the same object a run vali
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Literal
+
+from paraxis.planner.efficiency import BUILTIN, Efficiency
 
 __all__ = ["DEFAULT_HARDWARE", "Hardware", "Workload"]
 
@@ -50,6 +52,8 @@ class Hardware:
     ``headroom`` is the share of ``device_memory`` kept free for what the plan does not
     count: allocator fragmentation, the CUDA context, kernel workspaces (the seed: they
     "sit on top"). A layout fits when its most loaded rank needs at most the rest.
+    ``efficiency`` times each kind of work (:mod:`paraxis.planner.efficiency`); speeds
+    not given are its device's.
     """
 
     gpus_per_node: int = 8
@@ -58,6 +62,7 @@ class Hardware:
     intra_bw: float | None = None
     inter_bw: float | None = None
     headroom: float = 0.0
+    efficiency: Efficiency = field(default=BUILTIN["h100"], compare=False)
 
     @property
     def usable_memory(self) -> float | None:
@@ -70,6 +75,14 @@ class Hardware:
         return None not in (self.peak_flops, self.intra_bw, self.inter_bw)
 
 
-# Used only to rank candidates when no --peak-flops / --bandwidth is given, and said so:
-# an H100 SXM's dense bf16 peak, NVLink 4 per direction, one 400 Gb/s NIC per GPU.
-DEFAULT_HARDWARE = Hardware(peak_flops=989e12, intra_bw=450e9, inter_bw=50e9)
+    def with_device_speeds(self) -> Hardware:
+        """This hardware with the speeds not given taken from its efficiency table's
+        device (said so in the report)."""
+        d = self.efficiency.device
+        return replace(self, peak_flops=self.peak_flops or d.peak_flops,
+                       intra_bw=self.intra_bw or d.intra_bw, inter_bw=self.inter_bw or d.inter_bw)
+
+
+# The default table's device: an H100 SXM's dense bf16 peak, NVLink 4 per direction, one
+# 400 Gb/s NIC per GPU.
+DEFAULT_HARDWARE = Hardware().with_device_speeds()

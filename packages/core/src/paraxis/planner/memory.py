@@ -32,7 +32,6 @@ and fp32 logits, 4sbv/t (section 4.3).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,10 +44,10 @@ from paraxis.planner.activations import (
 )
 from paraxis.planner.inputs import Workload
 from paraxis.planner.model import LayerCount, ModelCounts
-from paraxis.planner.schedule import alive_units, layout_chunks
+from paraxis.planner.schedule import alive_units, holds_ends, last_stage_alive, layout_chunks
 
 __all__ = ["BYTES_PER_PARAM", "Memory", "held_params", "layer_activation_bytes",
-           "model_state_bytes", "rank_layers", "rank_memory"]
+           "model_state_bytes", "rank_layers", "rank_memory", "shard_group_sizes"]
 
 MiB = 2**20
 # (weights, gradients, optimizer state) bytes per parameter; ZeRO's 2 + 2 + K, K = 12.
@@ -60,46 +59,39 @@ TERMS = ("parameters", "gradients", "optimizer", "activations", "buffers")
 def model_state_bytes(dense: float, expert: float = 0.0, *, zero: int, n_dense: int,
                       n_expert: int = 1, precision: str = "mixed",
                       optimizer_bytes: float | None = None,
-                      expert_rows: int | None = None, whole: float = 0.0) -> tuple[float, ...]:
+                      whole: float = 0.0) -> tuple[float, ...]:
     """(weights, gradients, optimizer) bytes of one rank holding ``dense`` and ``expert``
-    parameters, ZeRO stage ``zero`` over ``n_dense`` / ``n_expert`` replicas
-    (``optimizer_bytes`` per parameter replaces Adam's K), and ``whole`` more parameters
-    ZeRO never shards (a word embedding tied across pipeline stages, whose gradient is
-    summed over the two after ZeRO's reduction: :func:`paraxis_zero.whole.keep_whole`;
-    the dry run found it whole, issue 32).
+    parameters, ZeRO stage ``zero`` over shard groups of ``n_dense`` / ``n_expert``
+    ranks (``optimizer_bytes`` per parameter replaces Adam's K), and ``whole`` more
+    parameters ZeRO never shards (a word embedding tied across pipeline stages, whose
+    gradient is summed over the two after ZeRO's reduction:
+    :func:`paraxis_zero.whole.keep_whole`; the dry run found it whole, issue 32).
 
-    ZeRO shards each tensor along dim 0 in chunks of ``ceil(rows / n)`` rows (FSDP2's
-    rule, padding included); a fused expert tensor's dim 0 is the rank's local experts
-    (``expert_rows``), so with fewer local experts than replicas a rank keeps
-    ``ceil(rows / n) / rows`` of it, not ``1 / n`` (one local expert over 2 replicas:
-    all of it; found by ``paraxis plan --dry-run``).
-
-    What paraxis holds (``precision`` bf16, fp16 or fp32; ``mixed`` stays the paper's
-    accounting) adds, under ZeRO 1 and 2, the padding of each tensor it keeps whole to
-    ``n`` such chunks (the model's parameter is a view of that storage, and so is
-    ZeRO-1's whole gradient: one local expert over 2 replicas is held twice over), and
-    under ZeRO-1 the buffer its reduce-scatter lands in, the rank's shard of every
-    gradient (:mod:`paraxis_zero.stage12`; both found by the dry run once it read
-    storages and the synchronizers' buffers, issue 32: gradients at 1.50 of the plan
-    at data 2, a single local expert's parameters at 1.33). Dense matrices' padding
-    (rows not a multiple of ``n``) is left out."""
+    Every rank holds 1/n of each sharded tensor: a fused expert tensor with fewer local
+    experts than ranks is split along a dimension that has enough rows
+    (:func:`paraxis_zero.layout.shard_dim`, issue 36; before, it was split along its
+    experts and one rank kept all of it, which this function modelled). Dense matrices'
+    padding (rows not a multiple of ``n``) is left out. Under HSDP
+    (``parallelism.zero_shard``) ``n_dense`` and ``n_expert`` are the shard groups', not
+    the replicas'."""
     w, g, k = BYTES_PER_PARAM[precision]
     k = k if optimizer_bytes is None else optimizer_bytes
-    rows = expert_rows or n_expert
-    expert_share = math.ceil(rows / n_expert) / rows
-    paraxis = precision != "mixed"
 
     def held(stage: int) -> float:  # the rank's share once ZeRO stage `stage` shards it
         if zero >= stage:
-            return dense / n_dense + expert * expert_share
-        if zero and paraxis:  # kept whole in a storage padded to n chunks
-            return dense + expert * expert_share * n_expert
+            return dense / n_dense + expert / n_expert
         return dense + expert
 
-    grads = g * (held(2) + whole)
-    if zero == 1 and paraxis:  # the reduce-scatter's landing buffer
-        grads += g * held(1)
-    return w * (held(3) + whole), grads, k * (held(1) + whole)
+    return w * (held(3) + whole), g * (held(2) + whole), k * (held(1) + whole)
+
+
+def shard_group_sizes(layout: ParallelConfig) -> tuple[int, int]:
+    """(dense, expert) ranks ZeRO splits a parameter over: the gradient-sync groups
+    (data x expert x context; data x context), or under HSDP the same with data
+    narrowed to ``zero_shard`` ranks."""
+    par = layout.parallelism
+    narrowed = layout.token_replicas // par.data * (par.zero_shard or par.data)
+    return narrowed, narrowed // par.expert
 
 
 def layer_activation_bytes(*, s: int, b: int, h: int, a: int, t: int = 1,
@@ -162,7 +154,7 @@ def held_params(counts: ModelCounts, layers: list[LayerCount], first: bool, last
     if first:
         dense += counts.embedding / t
     if last:
-        head = counts.embedding if counts.tied and p > 1 else counts.head
+        head = counts.embedding if counts.tied and not first else counts.head
         dense += head / t + counts.final
     return dense, expert
 
@@ -175,15 +167,14 @@ def rank_memory(counts: ModelCounts, layout: ParallelConfig, work: Workload,
     v, m = sched.virtual_stages, sched.microbatches
     chunks = layout_chunks(counts, layout)[rank]
     layers = rank_layers(counts, layout, rank)
-    first, last = rank == 0, rank == p - 1
+    first, last = holds_ends(sched.pipeline_schedule, p, rank)
     dense, expert = held_params(counts, layers, first, last, t, e, p, par.expert_tensor)
     # ZeRO keeps an embedding tied across pipeline stages whole, on the first and last.
     tied = counts.embedding / t if counts.tied and p > 1 and (first or last) else 0.0
+    n_dense, n_expert = shard_group_sizes(layout)
     weights, grads, optim = model_state_bytes(
-        dense - tied, expert, whole=tied, zero=par.zero, n_dense=layout.token_replicas,
-        n_expert=layout.token_replicas // e,
-        precision=work.precision, optimizer_bytes=work.optimizer_bytes,
-        expert_rows=counts.num_experts // e if counts.num_experts else None)
+        dense - tied, expert, whole=tied, zero=par.zero, n_dense=n_dense,
+        n_expert=n_expert, precision=work.precision, optimizer_bytes=work.optimizer_bytes)
 
     alive = alive_units(sched.pipeline_schedule, p, m, v, rank)
     acts = _activations(counts, layout, work, rank, alive)
@@ -219,15 +210,16 @@ def _activations(counts: ModelCounts, layout: ParallelConfig, work: Workload, ra
         per_chunk.append(moe * moe_layer + (n - moe) * dense_layer)
     # Alive units are taken from the rank's chunks in turn (warm-up runs chunk by chunk).
     acts = sum(per_chunk) / len(per_chunk) * alive
-    last_alive = alive_units(sched.pipeline_schedule, p, sched.microbatches, 1, p - 1)
+    last_alive = last_stage_alive(sched.pipeline_schedule, p, sched.microbatches)
+    last = holds_ends(sched.pipeline_schedule, p, rank)[1]
     if is_exact(counts):
         sp = par.sequence_parallel
         acts += alive * exact_stage_bytes(counts, work, t=t, sp=sp, context=c,
                                           first=rank == 0)
-        if rank == p - 1:
+        if last:
             acts += last_alive * exact_head_bytes(counts, work, t=t, sp=sp, context=c)
         return acts
-    if rank == p - 1:
+    if last:
         sbh = work.seq * work.micro_batch * counts.hidden_size
         shard = t if par.sequence_parallel else 1
         logits = 4 * work.seq * work.micro_batch * counts.vocab_size / t
@@ -238,19 +230,23 @@ def _activations(counts: ModelCounts, layout: ParallelConfig, work: Workload, ra
 def _buffers(counts: ModelCounts, layout: ParallelConfig, work: Workload,
              layers: list[LayerCount]) -> tuple[float, dict[str, Any]]:
     """Data-parallel bucket (zero 0-2), ZeRO-3's gathered layers (the one running and the
-    ``zero_prefetch`` prefetched), pipeline receive buffers (an activation and a gradient)."""
+    ``zero_prefetch`` prefetched) in the compute dtype, pipeline receive buffers (an
+    activation and a gradient). Beside a pipeline, ZeRO-2 and 3 hold the stage's whole
+    gradients through the schedule, and ZeRO-3 every layer of the stage gathered."""
     par = layout.parallelism
     t, e = par.tensor, par.expert * par.expert_tensor  # what splits the experts
-    w = BYTES_PER_PARAM[work.precision][0]
+    grad = BYTES_PER_PARAM[work.precision][1]
     out: dict[str, Any] = {}
+    params = [c.matrices / t + c.vectors + c.experts / e for c in layers]
     if layout.token_replicas > 1:
         if par.zero < 3:  # one bucket in flight, never more than the gradients it holds
-            held = sum(c.matrices / t + c.vectors + c.experts / e for c in layers)
-            grad = BYTES_PER_PARAM[work.precision][1]
-            out["data_bucket"] = min(par.bucket_mb * MiB, held * grad)
-        elif layers:
-            unit = max(c.matrices / t + c.vectors + c.experts / e for c in layers)
-            out["zero3_gathered"] = (1 + par.zero_prefetch) * unit * w
+            out["data_bucket"] = min(par.bucket_mb * MiB, sum(params) * grad)
+        elif layers and par.pipeline > 1:  # gathered once per step, kept (issue 36)
+            out["zero3_gathered"] = sum(params) * work.element_size
+        elif layers:  # in the compute dtype (issue 36)
+            out["zero3_gathered"] = (1 + par.zero_prefetch) * max(params) * work.element_size
+        if par.zero >= 2 and par.pipeline > 1:
+            out["zero_whole_grads"] = sum(params) * grad
     if par.pipeline > 1:
         shard = t if par.sequence_parallel else 1
         out["pipeline_recv"] = 2 * work.micro_batch * work.seq * counts.hidden_size \

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from paraxis.config.parallel import Parallelism
 from paraxis.planner.evaluate import Plan
-from paraxis.planner.inputs import DEFAULT_HARDWARE, Hardware
+from paraxis.planner.inputs import Hardware
+from paraxis.planner.reasons import is_tie, tie_reason, why_slower
 from paraxis.planner.schedule import closed_form_bubble
-from paraxis.planner.search import Ranking, why_slower
+from paraxis.planner.search import Ranking
 from paraxis.planner.units import fmt_bytes, fmt_rate, fmt_seconds
 
 __all__ = ["format_plan", "format_ranking"]
@@ -14,6 +16,8 @@ __all__ = ["format_plan", "format_ranking"]
 def _options(plan: Plan) -> str:
     par, sched = plan.layout.parallelism, plan.layout.schedule
     parts = [f"ZeRO-{par.zero}" if par.zero else "no ZeRO"]
+    if par.zero and par.zero_shard and par.zero_shard < par.data:
+        parts[0] += f" over groups of {par.zero_shard} data ranks (HSDP)"
     if par.sequence_parallel:
         parts.append("sequence parallel")
     parts.append(f"recompute {sched.activation_checkpointing}")
@@ -45,34 +49,43 @@ def _memory_block(plan: Plan) -> list[str]:
 def _comm_block(plan: Plan) -> list[str]:
     if not plan.comm:
         return ["communication: none (one rank)"]
-    el = plan.work.element_size
+    el, st = plan.work.element_size, plan.step
     lines = [f"communication per step per rank (bytes sent, bus convention, {el}-byte "
-             "elements)",
-             f"  {'axis':<9} {'collective':<30} {'bytes':>10}  {'link':<5} {'group':>5}  overlap"]
+             "elements; time on the link, and what stays exposed)",
+             f"  {'axis':<9} {'collective':<30} {'bytes':>10}  {'link':<5} {'group':>5} "
+             f"{'time':>9} {'exposed':>9}  overlap"]
     for a in plan.comm:
         lines.append(f"  {a.axis:<9} {a.collective:<30} {fmt_bytes(a.bytes):>10}  "
-                     f"{a.link:<5} {a.group:>5}  {a.overlap}")
+                     f"{a.link:<5} {a.group:>5} {fmt_seconds(st.comm_s.get(a.axis, 0.0)):>9} "
+                     f"{fmt_seconds(st.exposed_s.get(a.axis, 0.0)):>9}  "
+                     f"{st.overlap.get(a.axis, a.overlap)}")
     return lines
+
+
+STEP_WORDS = {"gemm": "GEMMs", "attention": "attention", "elementwise": "elementwise",
+              "launch": "launches", "optimizer": "optimizer"}
 
 
 def _step_line(plan: Plan) -> list[str]:
     st = plan.step
-    parts = [f"compute {fmt_seconds(st.compute_s)}"]
+    parts = [f"{STEP_WORDS.get(k, k)} {fmt_seconds(v)}" for k, v in st.detail.items() if v > 0]
     if st.recompute_s:
         parts.append(f"recompute {fmt_seconds(st.recompute_s)}")
     if st.bubble_s:
         parts.append(f"bubble {fmt_seconds(st.bubble_s)}")
-    parts += [f"{axis} {fmt_seconds(s)}" for axis, s in st.exposed_s.items() if s > 0]
+    parts += [f"{axis} {fmt_seconds(s)} exposed" for axis, s in st.exposed_s.items() if s > 0]
+    hw = plan.hardware
+    eff = hw.efficiency
     lines = [f"step       {fmt_seconds(st.step_s)} ({', '.join(parts)}); MFU {st.mfu:.1%}, "
              f"{st.tokens_per_s:,.0f} tokens/s",
-             "           a lower bound on time (an upper bound on MFU): matmuls at the peak, "
-             "nothing else costs time"]
-    hw = plan.hardware
+             f"           each kind of work at its measured efficiency: table {eff.name!r} "
+             f"(sustained {eff.sustained:.2f}; docs/plan-step-time.md)"]
     if not hw.timed:
-        d = DEFAULT_HARDWARE
-        lines.append(f"           assumed {d.peak_flops / 1e12:.0f} TFLOP/s, intra "
-                     f"{fmt_rate(d.intra_bw or 0)}, inter {fmt_rate(d.inter_bw or 0)}; "
-                     "give --peak-flops and --bandwidth for yours")
+        d = hw.with_device_speeds()
+        lines.append(f"           assumed {eff.device.name}: {(d.peak_flops or 0) / 1e12:.0f} "
+                     f"TFLOP/s, HBM {fmt_rate(eff.device.memory_bw)}, intra "
+                     f"{fmt_rate(d.intra_bw or 0)}, inter {fmt_rate(d.inter_bw or 0)}; give "
+                     "--peak-flops and --bandwidth, or --efficiency, for yours")
     return lines
 
 
@@ -121,6 +134,12 @@ def _unchecked_line(axes: tuple[str, ...]) -> str:
             f"installed (pip install {installs}); a run may refuse this layout")
 
 
+def _zero_cell(par: Parallelism) -> str:
+    """The ZeRO stage, with its shard group's data ranks under HSDP (3/8)."""
+    hsdp = par.zero and par.zero_shard and par.zero_shard < par.data
+    return f"{par.zero}/{par.zero_shard}" if hsdp else str(par.zero)
+
+
 def format_ranking(r: Ranking, *, world: int, top: int, hw: Hardware) -> str:
     keep = f" less {hw.headroom:.0%} headroom" if hw.headroom else ""
     fit = f"{len(r.plans)} fit {fmt_bytes(hw.device_memory)}{keep}" if hw.device_memory else \
@@ -135,12 +154,16 @@ def format_ranking(r: Ranking, *, world: int, top: int, hw: Hardware) -> str:
     for i, plan in enumerate(r.plans[:top], start=1):
         d, par = plan.layout.degrees, plan.layout.parallelism
         why = "" if i == 1 else why_slower(plan, best)
+        previous = r.plans[i - 2] if i > 2 else None
+        if previous is not None and plan.step.step_s < previous.step.step_s:
+            why += f"; {tie_reason(plan, previous, i - 1)}"  # a tie put it below
         if plan.unchecked:  # a star: rules of an axis not installed went unchecked
             why = f"* {why}".rstrip()
             unchecked.update(plan.unchecked)
         lines.append(
             f"  {i:>2} {d['data']:>4} {d['tensor']:>6} {d['pipeline']:>4} {d['expert']:>6} "
-            f"{d['context']:>3} {par.zero:>4} {'yes' if par.sequence_parallel else 'no':>3} "
+            f"{d['context']:>3} {_zero_cell(par):>4} "
+            f"{'yes' if par.sequence_parallel else 'no':>3} "
             f"{plan.layout.schedule.activation_checkpointing:<9} "
             f"{fmt_bytes(plan.worst.total):>10} {fmt_seconds(plan.step.step_s):>9} "
             f"{plan.step.mfu:>6.1%}  {why}".rstrip())
@@ -164,6 +187,10 @@ def seed_sentence(r: Ranking) -> str:
     if rank == 1:
         return f"The ranking agrees with {order}: {grid}."
     where = f"#{rank}" if rank else "unranked"
+    if is_tie(r.seed, best):
+        return (f"The ranking departs from {order}, which gives {grid} ({where}): it "
+                f"{why_slower(r.seed, best)}.")
     return (f"The ranking departs from {order}, which gives {grid} ({where}, "
-            f"{fmt_seconds(r.seed.step.step_s)}): it is slower than #1 because "
+            f"{fmt_seconds(r.seed.step.step_s)}): it is slower than #1 by "
+            f"{fmt_seconds(r.seed.step.step_s - best.step.step_s)}; "
             f"{why_slower(r.seed, best)}.")

@@ -3,8 +3,11 @@
 For each grid (degrees whose product is the world size, any the user fixed kept), the
 options are tried from the simplest system up: ZeRO stage 0 to 3 (2 and 3 only without
 a pipeline, as validation rules), recompute none, selective, full, sequence parallelism
-off then on. The grid's entry is its fastest fitting option set; on a tie in time the
-simplest wins (the seed's bias toward the smallest system that fits the constraint).
+off then on. The grid's entry is its fastest fitting option set; on a tie in time
+(:mod:`paraxis.planner.reasons`) the simplest wins (the seed's bias toward the smallest
+system that fits the constraint). Grids are ranked by step time; grids that tie are
+ordered by what else they cost (:func:`~paraxis.planner.reasons.tie_key`). Memory is
+checked on every pipeline stage: the most loaded one is not always the first or last.
 
 The seeds' placement order (shared/seeds: "choose tensor parallelism so a layer and its
 working set fit inside a fast-link group; add pipeline stages until the model state
@@ -24,9 +27,9 @@ from paraxis.planner.evaluate import Plan, evaluate, make_layout, problems
 from paraxis.planner.inputs import Hardware, Workload
 from paraxis.planner.memory import layer_activation_bytes, model_state_bytes
 from paraxis.planner.model import ModelCounts
-from paraxis.planner.units import fmt_seconds
+from paraxis.planner.reasons import is_tie, tie_key, why_slower
 
-__all__ = ["Ranking", "grids", "search", "seed_order", "why_slower"]
+__all__ = ["Ranking", "grids", "rank_plans", "search", "seed_order", "why_slower"]
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -61,17 +64,32 @@ def grids(world: int, fixed: dict[str, int], *, experts: bool = True,
 
 
 def _option_sets(degrees: dict[str, int], fixed: dict[str, Any], max_zero: int = 3,
-                 ) -> Iterator[dict[str, Any]]:
-    zeros = list(range(min(max_zero, 1 if degrees["pipeline"] > 1 else 3) + 1))
+                 node: int = 8) -> Iterator[dict[str, Any]]:
+    zeros = list(range(max_zero + 1))  # every stage beside a pipeline too (issue 36)
     sps = [False, True] if degrees["tensor"] > 1 else [False]
     seen = set()
     for zero, recompute, sp in itertools.product(zeros, RECOMPUTE, sps):
-        opts = {"zero": zero, "activation_checkpointing": recompute,
-                "sequence_parallel": sp} | fixed
-        key = tuple(sorted(opts.items()))
-        if key not in seen:
-            seen.add(key)
-            yield opts
+        for shard in _zero_shards(degrees, zero, node):
+            opts = {"zero": zero, "activation_checkpointing": recompute,
+                    "sequence_parallel": sp, "zero_shard": shard} | fixed
+            key = tuple(sorted(opts.items()))
+            if key not in seen:
+                seen.add(key)
+                yield opts
+
+
+def _zero_shards(degrees: dict[str, int], zero: int, node: int) -> list[int | None]:
+    """ZeRO over every data rank (None) and, when the data axis leaves a node, over the
+    largest group of data ranks whose shard group (with the expert, context and tensor
+    ranks inside it in the mesh) fits one node (HSDP, issue 36): the reduce-scatter and
+    gathers then stay on the node's links and only the shards' all-reduce crosses."""
+    data = degrees["data"]
+    inner = degrees["expert"] * degrees["context"] * degrees["tensor"]
+    if not zero or data < 2 or data * inner <= node:
+        return [None]
+    inside = [n for n in _divisors(data) if 1 < n < data and n * inner <= node
+              and node % (n * inner) == 0]
+    return [None, *inside[-1:]]
 
 
 @dataclass(frozen=True)
@@ -89,7 +107,7 @@ def best_for_grid(counts: ModelCounts, degrees: dict[str, int], options: dict[st
     """(fastest fitting plan, smallest plan seen, whether any option set was valid)."""
     best = smallest = None
     valid = False
-    for opts in _option_sets(degrees, options, max_zero):
+    for opts in _option_sets(degrees, options, max_zero, hw.gpus_per_node):
         try:
             layout = make_layout(degrees, opts, work)
         except ValueError:
@@ -97,13 +115,12 @@ def best_for_grid(counts: ModelCounts, degrees: dict[str, int], options: dict[st
         if problems(counts, layout, work, plugin_manager=pm):
             continue
         valid = True
-        plan = evaluate(counts, layout, work, hw, simulate=False, every_rank=False,
-                        plugin_manager=pm)
+        plan = evaluate(counts, layout, work, hw, simulate=False, plugin_manager=pm)
         if smallest is None or plan.worst.total < smallest.worst.total:
             smallest = plan
         if plan.fits is False:
             continue
-        if best is None or plan.step.step_s < best.step.step_s * (1 - 1e-9):
+        if best is None or (plan.step.step_s < best.step.step_s and not is_tie(plan, best)):
             best = plan
     return best, smallest, valid
 
@@ -112,6 +129,10 @@ def search(counts: ModelCounts, work: Workload, hw: Hardware, *, world: int,
            fixed: dict[str, int], options: dict[str, Any], plugin_manager: Any = None,
            ) -> Ranking:
     """Rank every valid grid of ``world`` ranks that fits ``hw.usable_memory``."""
+    if plugin_manager is None:  # one for the whole search: each costs an entry-point scan
+        from paraxis.engine.plugins import make_plugin_manager
+
+        plugin_manager = make_plugin_manager()
     found: list[Plan] = []
     closest: Plan | None = None
     valid = total = 0
@@ -124,10 +145,22 @@ def search(counts: ModelCounts, work: Workload, hw: Hardware, *, world: int,
         elif smallest is not None and (closest is None
                                        or smallest.worst.total < closest.worst.total):
             closest = smallest
-    found.sort(key=lambda plan: plan.step.step_s)
+    found = rank_plans(found)
     seed = seed_order(counts, work, hw, world=world, fixed=fixed, options=options,
                       plugin_manager=plugin_manager)
     return Ranking(tuple(found), valid, total, None if found else closest, seed)
+
+
+def rank_plans(plans: list[Plan]) -> list[Plan]:
+    """By step time; a run of plans each tying the first of the run is ordered by
+    :func:`~paraxis.planner.reasons.tie_key`."""
+    rest = sorted(plans, key=lambda plan: plan.step.step_s)
+    out: list[Plan] = []
+    while rest:
+        run = [p for p in rest if is_tie(p, rest[0])]
+        out += sorted(run, key=tie_key)
+        rest = [p for p in rest if not any(p is q for q in run)]
+    return out
 
 
 def _layer_fits(counts: ModelCounts, t: int, work: Workload, hw: Hardware) -> bool:
@@ -178,24 +211,3 @@ def seed_order(counts: ModelCounts, work: Workload, hw: Hardware, *, world: int,
         if best is not None:
             return best
     return None
-
-
-def why_slower(plan: Plan, best: Plan) -> str:
-    """The biggest cause of ``plan``'s extra step time over ``best``'s, in words."""
-    mine, theirs = plan.step.components(), best.step.components()
-    diffs = {k: mine.get(k, 0.0) - theirs.get(k, 0.0) for k in set(mine) | set(theirs)}
-    cause, extra = max(diffs.items(), key=lambda kv: kv[1])
-    if extra <= 1e-3 * best.step.step_s:
-        if plan.worst.total > best.worst.total:
-            return "same time, more memory"
-        return "same time, more moving parts"
-    if cause == "recompute":
-        mode = plan.layout.schedule.activation_checkpointing
-        return f"recomputes ({mode}): +{fmt_seconds(extra)}"
-    if cause == "bubble":
-        return (f"bubble {plan.bubble.fraction:.1%} vs {best.bubble.fraction:.1%}: "
-                f"+{fmt_seconds(extra)}")
-    comm = {a.axis: a for a in plan.comm}.get(cause)
-    if comm is None:
-        return f"{cause}: +{fmt_seconds(extra)}"
-    return f"{cause} {comm.collective} over {comm.link}: +{fmt_seconds(extra)} exposed"

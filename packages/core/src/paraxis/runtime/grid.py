@@ -4,9 +4,8 @@ Mesh order, outermost first, is ``pipeline, data, expert, context, tensor`` (DES
 section 2), with any axis a package adds at its declared place (the axis table,
 :mod:`paraxis.config.axes`): consecutive ranks differ first in their tensor coordinate,
 so tensor groups sit on the fastest links, as in Megatron-LM's
-``initialize_model_parallel``. There is no
-module-level group state; code that needs a group takes the :class:`Grid` (or one
-:class:`AxisGroup`) as an argument.
+``initialize_model_parallel``. There is no module-level group state; code that needs a
+group takes the :class:`Grid` (or one :class:`AxisGroup`) as an argument.
 
 :class:`GridLayout` is the pure arithmetic (rank <-> coordinates, who shares a group) and
 needs no processes; :class:`Grid` adds the torch.distributed groups.
@@ -28,17 +27,10 @@ from paraxis.runtime.comm_stats import CommStats
 from paraxis.runtime.cuda_paths import cuda_path_on
 from paraxis.runtime.group import AxisGroup
 from paraxis.runtime.liveness import Heartbeat
+from paraxis.runtime.subaxes import AxisSplits, config_splits, sub_axis_names
 
-__all__ = [
-    "DENSE_REPLICA_AXES",
-    "EXPERT_REPLICA_AXES",
-    "SEQUENCE_SHARD_AXES",
-    "AxisGroup",
-    "Grid",
-    "GridLayout",
-    "shutdown",
-    "standard_groups",
-]
+__all__ = ["DENSE_REPLICA_AXES", "EXPERT_REPLICA_AXES", "SEQUENCE_SHARD_AXES", "AxisGroup",
+           "Grid", "GridLayout", "shutdown", "standard_groups"]
 
 # The built-in table's groups (a run's own are its grid's: Grid.axes).
 # Dense parameters are identical over the ranks holding distinct tokens, and their
@@ -55,7 +47,8 @@ class GridLayout:
     """Rank arithmetic for degrees in mesh order (the axes of ``table``, the built-in
     ones by default; an axis not given has degree 1); no processes involved."""
 
-    def __init__(self, degrees: Mapping[str, int], table: AxisTable = BUILTIN_AXES):
+    def __init__(self, degrees: Mapping[str, int], table: AxisTable = BUILTIN_AXES,
+                 splits: Mapping[str, int] | None = None):
         self.table = table
         self.axes = table.names
         unknown = set(degrees) - set(self.axes)
@@ -64,6 +57,8 @@ class GridLayout:
                            f"{list(self.axes)}")
         self.degrees: dict[str, int] = {a: int(degrees.get(a, 1)) for a in self.axes}
         self.size = math.prod(self.degrees.values())
+        # Axes cut into an outer and an inner part (HSDP, paraxis.runtime.subaxes).
+        self.splits = AxisSplits(splits or {}, self.degrees)
         # Row-major strides: the last axis (tensor) varies fastest.
         self._strides: dict[str, int] = {}
         stride = 1
@@ -71,29 +66,35 @@ class GridLayout:
             self._strides[axis] = stride
             stride *= self.degrees[axis]
 
+    def degree(self, axis: str) -> int:
+        """The degree of an axis or of a sub-axis."""
+        return self.splits.parts[axis][1] if axis in self.splits.parts else self.degrees[axis]
+
     def canonical(self, axes: str | Iterable[str]) -> tuple[str, ...]:
         """``axes`` (a name or several, any order) in mesh order."""
         names = (axes,) if isinstance(axes, str) else tuple(axes)
-        unknown = [a for a in names if a not in self.axes]
+        unknown = [a for a in names if a not in self.axes and a not in self.splits.parts]
         if unknown:
             raise KeyError(f"unknown grid axes {unknown}; the axes are {list(self.axes)}")
-        return tuple(a for a in self.axes if a in names)
+        order = {a: i for i, a in enumerate(self.axes)}
+        return tuple(sorted(set(names), key=lambda a: self.splits.order(order, a)))
 
     def coords(self, rank: int) -> dict[str, int]:
         if not 0 <= rank < self.size:
             raise IndexError(f"rank {rank} outside a grid of {self.size}")
-        return {a: (rank // self._strides[a]) % self.degrees[a] for a in self.axes}
+        coords = {a: (rank // self._strides[a]) % self.degrees[a] for a in self.axes}
+        return {**coords, **self.splits.coords(coords)}
 
     def rank(self, **coords: int) -> int:
         return sum(coords.get(a, 0) * self._strides[a] for a in self.axes)
 
     def group_ranks(self, axes: str | Iterable[str]) -> list[list[int]]:
         """All groups of ranks that differ only along ``axes``, each sorted, in order."""
-        along = self.canonical(axes)
+        along = self.splits.atoms(self.canonical(axes))
         groups: dict[tuple[int, ...], list[int]] = {}
         for r in range(self.size):
             c = self.coords(r)
-            key = tuple(c[a] for a in self.axes if a not in along)
+            key = tuple(c[a] for a in self.splits.atoms(self.axes) if a not in along)
             groups.setdefault(key, []).append(r)
         return list(groups.values())
 
@@ -124,7 +125,7 @@ class Grid:
             raise RuntimeError("Grid.build needs torch.distributed initialized first "
                                "(torchrun, or dist.init_process_group)")
         if isinstance(config, ParallelConfig):
-            layout = GridLayout(config.degrees, config.axis_table)
+            layout = GridLayout(config.degrees, config.axis_table, config_splits(config))
         else:
             layout = GridLayout(dict(config))
         world = dist.get_world_size()
@@ -135,7 +136,7 @@ class Grid:
         rank = dist.get_rank()
         comm = CommStats(on_stream=_stream_timing(config))
         groups: dict[tuple[str, ...], AxisGroup] = {}
-        for axes in standard_groups(layout.table):
+        for axes in standard_groups(layout.table, layout.splits.inner):
             axes = layout.canonical(axes)
             if axes not in groups:
                 groups[axes] = _new_axis_group(layout, rank, axes, comm)
@@ -167,7 +168,7 @@ class Grid:
         return self._groups[self.layout.axes]
 
     def size(self, axis: str) -> int:
-        return self.layout.degrees[axis]
+        return self.layout.degree(axis)
 
     @property
     def world_size(self) -> int:
@@ -230,11 +231,19 @@ class Grid:
             self.heartbeat.stop()
 
 
-def standard_groups(table: AxisTable) -> tuple[tuple[str, ...], ...]:
+def standard_groups(table: AxisTable, cut: Mapping[str, int] | None = None,
+                    ) -> tuple[tuple[str, ...], ...]:
     """The groups every run gets (more can be asked for by axis tuple): each axis, the
-    dense and expert replica groups, the sequence shards and the world."""
-    return (*((a,) for a in table.names), table.token_axes, table.expert_replica_axes,
-            table.sequence_shard_axes, table.names)
+    dense and expert replica groups, the sequence shards and the world; for an axis
+    ``cut`` in two (HSDP), its replicas and each replica group with the axis narrowed
+    to its inner part (the shard groups)."""
+    groups = (*((a,) for a in table.names), table.token_axes, table.expert_replica_axes,
+              table.sequence_shard_axes, table.names)
+    for axis in cut or {}:
+        outer, inner = sub_axis_names(axis)
+        groups += ((outer,), *(tuple(inner if a == axis else a for a in g)
+                               for g in (table.token_axes, table.expert_replica_axes)))
+    return groups
 
 
 def _stream_timing(config: ParallelConfig | Mapping[str, int]) -> bool:

@@ -11,6 +11,15 @@ whole run and reports the outcome in a few lines.
 * ``--max-restarts N``: when a worker dies the agent restarts every worker, and the run
   resumes from the checkpoint directory's ``latest`` (the gap is at most
   ``train.checkpoint_every`` steps).
+* On a machine without CUDA the workers start with glibc's ``MALLOC_MMAP_THRESHOLD_``
+  and ``MALLOC_TRIM_THRESHOLD_`` at 1 MiB (:func:`worker_environment`, issue 36): glibc
+  raises its mmap threshold to each large block freed (up to 32 MiB), so the layers
+  ZeRO-3 gathers and frees every step, and every gradient and activation below that,
+  come from the heap afterwards and their pages stay with the process; a 0.5B Llama
+  under ZeRO-3 over 8 ranks peaked at 0.90 of the whole fp32 model per rank, where
+  model state is 0.50. A fixed threshold turns the adjustment off: blocks of 1 MiB and
+  more are mapped and unmapped, and the heap is trimmed above 1 MiB free. A value
+  already in the environment is kept.
 """
 
 from __future__ import annotations
@@ -30,10 +39,20 @@ from paraxis.train.failures import REPORT_ENV, explain
 from paraxis.train.lifecycle import LOCK_ENV, DirectoryLock
 from paraxis.train.notices import WarningLines
 
-__all__ = ["LaunchOptions", "add_launch_arguments", "run_workers", "sbatch_script",
-           "slurm_hosts", "torchrun_args"]
+__all__ = ["MALLOC_DEFAULTS", "LaunchOptions", "add_launch_arguments", "run_workers",
+           "sbatch_script", "slurm_hosts", "torchrun_args", "worker_environment"]
 
 DEFAULT_PORT = "29500"
+# glibc's allocator, fixed for CPU workers (see the module docstring): bytes.
+MALLOC_DEFAULTS = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 20)}
+
+
+def worker_environment(env: dict[str, str], *, cuda: bool) -> dict[str, str]:
+    """What the launcher adds to the workers' environment: the malloc thresholds on a
+    machine without CUDA (there host memory holds the model), unless ``env`` sets them."""
+    if cuda:
+        return {}
+    return {k: v for k, v in MALLOC_DEFAULTS.items() if k not in env}
 
 
 def slurm_hosts(nodelist: str) -> list[str]:
@@ -151,6 +170,7 @@ def torchrun_args(world_size: int, opts: LaunchOptions, argv: Sequence[str]) -> 
 def run_workers(world_size: int, opts: LaunchOptions, argv: Sequence[str],
                 checkpoint_dir: str | None) -> int:
     """Run torchrun's agent here; return the job's exit code."""
+    import torch
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -158,6 +178,7 @@ def run_workers(world_size: int, opts: LaunchOptions, argv: Sequence[str],
     cpus = os.cpu_count() or 1
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cpus * opts.nnodes // world_size)))
     os.environ["PARAXIS_COMMAND"] = shlex.join(["paraxis", *argv])
+    os.environ.update(worker_environment(dict(os.environ), cuda=torch.cuda.is_available()))
     # torchrun shares its rendezvous store with the workers' process groups across
     # restarts, so a restarted worker may read a peer's address from the previous
     # attempt and fail to connect (pytorch/pytorch#135712; seen here on restart after a

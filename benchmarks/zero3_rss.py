@@ -1,0 +1,145 @@
+"""Every rank's peak resident memory under ZeRO-3 through ``paraxis train`` (issue 36,
+item 5): a Llama from config (0.50B parameters by default) over data 8, two steps.
+
+    python benchmarks/zero3_rss.py            # runs `paraxis train` itself
+    python benchmarks/zero3_rss.py --no-write
+
+The run is launched as a user launches it: ``paraxis train --config <yaml>`` with no
+``MALLOC_*`` variable in the environment (they are removed), so whatever the launcher
+does is what is measured. Each worker's peak resident set (``VmHWM`` in
+``/proc/<pid>/status``, the kernel's high-water mark) is read every 0.2 s while it runs;
+the workers are told apart by the ``RANK`` torchrun gives them. Target: every rank at
+most 0.5 x the whole fp32 model + 0.7 GB (the issue's; the model state of ZeRO-3 over 8
+ranks is 16/8 = 2 bytes a parameter, 0.5 of the fp32 weights, and the rest is the
+runtime, the gathered layers and activations).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+from common import machine, write_section
+
+GB = 1e9
+
+
+def config(args: argparse.Namespace, root: Path) -> dict:
+    return {
+        "parallelism": {"data": args.ranks, "zero": 3},
+        "model": {"family": "llama", "config": {
+            "hidden_size": args.hidden, "intermediate_size": args.intermediate,
+            "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
+            "num_key_value_heads": args.heads, "vocab_size": args.vocab,
+            "max_position_embeddings": args.seq, "tie_word_embeddings": False}},
+        "train": {"steps": args.steps, "global_batch": args.ranks, "seq_length": args.seq,
+                  "warmup_steps": 0,
+                  "log_every": 1, "checkpoint_dir": str(root / "ckpt"),
+                  "checkpoint_every": 1000},
+        "data": {"source": "stdlib", "tokenizer": "bytes", "max_bytes": 200_000},
+        "logging": {"progress": False, "run_name": "zero3_rss", "wandb": False},
+    }
+
+
+def parameters(args: argparse.Namespace) -> int:
+    h, i, v = args.hidden, args.intermediate, args.vocab
+    layer = 4 * h * h + 3 * h * i + 2 * h
+    return args.layers * layer + 2 * v * h + h
+
+
+def workers(launcher: int) -> dict[int, int]:
+    """rank -> pid of the launcher's descendants that torchrun gave a RANK."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = {}, [launcher]
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        rank = next((int(e[5:]) for e in env if e.startswith(b"RANK=")), None)
+        if rank is not None and pid != launcher:
+            out[rank] = pid
+    return out
+
+
+def peak_of(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--intermediate", type=int, default=4096)
+    p.add_argument("--layers", type=int, default=26)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--no-write", action="store_true")
+    args = p.parse_args()
+    n = parameters(args)
+    bound = 0.5 * 4 * n + 0.7 * GB
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "run.yaml"
+        path.write_text(yaml.safe_dump(config(args, Path(tmp))))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+        start = time.monotonic()
+        proc = subprocess.Popen([sys.executable, "-m", "paraxis", "train", "--config",
+                                 str(path)], env=env)
+        peaks: dict[int, int] = {}
+        while proc.poll() is None:
+            for rank, pid in workers(proc.pid).items():
+                peak = peak_of(pid)
+                if peak is not None:
+                    peaks[rank] = max(peaks.get(rank, 0), peak)
+            time.sleep(0.2)
+        wall = time.monotonic() - start
+    if proc.returncode != 0 or len(peaks) != args.ranks:
+        print(f"paraxis train exited {proc.returncode}; ranks seen: {sorted(peaks)}")
+        return 1
+    rows = [f"| {r} | {peaks[r] / GB:.3f} | {peaks[r] / (4 * n):.3f} |" for r in sorted(peaks)]
+    worst = max(peaks.values())
+    ok = worst <= bound
+    text = "\n".join([
+        "## ZeRO-3 peak RSS per rank through `paraxis train` (issue 36, item 5)", "",
+        f"`python benchmarks/zero3_rss.py` (Llama from config: {n / 1e9:.2f}B parameters, "
+        f"hidden {args.hidden}, intermediate {args.intermediate}, {args.layers} layers, "
+        f"vocabulary {args.vocab}; whole model {4 * n / GB:.2f} GB in fp32; ZeRO-3 over "
+        f"data {args.ranks}, {args.steps} steps of {args.ranks} x {args.seq} tokens, no "
+        f"MALLOC_* in the environment; {machine()}; {wall:.0f} s). Peak RSS is each "
+        "worker's VmHWM.", "",
+        "| rank | peak RSS (GB) | of the whole fp32 model |", "| ---: | ---: | ---: |",
+        *rows, "",
+        f"Worst {worst / GB:.3f} GB against the bound 0.5 x {4 * n / GB:.2f} + 0.7 = "
+        f"{bound / GB:.3f} GB: {'met' if ok else 'not met'}."])
+    print(text)
+    if not args.no_write:
+        write_section("zero3_rss", text, {"peaks": peaks, "parameters": n,
+                                          "bound": bound, "wall_s": wall})
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
