@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from paraxis.engine.lora import ADAPTED_ATTR
 from paraxis.parallel.placement import Piece, Placement
 from paraxis_hf.invariant_init import Draw, Fill, InitRule, piece_values
 from paraxis_hf.materialize import fill_local, fill_meta_parameters
@@ -100,4 +101,7 @@ def peft_twin(model: nn.Module, layout: Any) -> nn.Module:
     config.init_lora_weights = False  # A and B both drawn (nn.Linear's own init)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        return get_peft_model(twin, config, adapter_name=name)
+        wrapped = get_peft_model(twin, config, adapter_name=name)
+    # Built from the same lora section as the model (parallelize keeps it, engine.lora)
+    setattr(wrapped, ADAPTED_ATTR, getattr(model, ADAPTED_ATTR, None))
+    return wrapped

@@ -1,0 +1,69 @@
+"""A LoRA run out (issue 34, items 2-3 and the example): ``examples/sft_lora.yaml``
+(LoRA on attention and MLP through peft, data 2 x tensor 2) trained on the stand-ins
+``examples/sft_chat.py`` writes, then ``paraxis checkpoint export-hf``: the merged model
+(``from_pretrained``) and the adapter directory (``--adapter``: adapter_config.json and
+adapter_model.safetensors, loaded by ``PeftModel.from_pretrained`` on the saved base)
+each give the run's last eval loss on the same held-out rows within STEP_RTOL, and only
+the adapters were trained (the run summary's share; the base weights unchanged)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from test_sft_export import held_out_loss
+
+from paraxis.cli.main import main
+from paraxis.config.run import RunConfig
+from paraxis.testing.tolerance import STEP_RTOL
+
+pytest.importorskip("peft")  # paraxis-hf[peft]
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 20  # the example's 60 steps are its own; the exports' agreement needs few
+
+
+def example_config(root):
+    spec = importlib.util.spec_from_file_location("sft_chat", ROOT / "examples/sft_chat.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.write_stand_ins(root)
+    return RunConfig.load(ROOT / "examples/sft_lora.yaml", [
+        f"model.pretrained={root}/model", f"data.source={root}/chat.jsonl",
+        f"data.tokenizer={root}/tokenizer", f"train.checkpoint_dir={root}/checkpoints",
+        f"train.steps={STEPS}", f"train.eval_every={STEPS}", "logging.wandb=false",
+        "logging.progress=false"], env={})
+
+
+def train_example(cfg):
+    from paraxis.train.loop import train
+
+    return train(cfg)["eval_loss"]
+
+
+def test_the_lora_example_exports_merged_and_as_an_adapter(worlds, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from paraxis.train.data import load_tokenizer
+
+    cfg = example_config(tmp_path)
+    assert (cfg.degrees["data"], cfg.degrees["tensor"]) == (2, 2)
+    run_eval = worlds.run(4, train_example, cfg)[0]
+    ckpt, tok = str(tmp_path / "checkpoints"), load_tokenizer(cfg.data.tokenizer)
+    assert main(["checkpoint", "export-hf", ckpt, str(tmp_path / "merged")]) == 0
+    assert main(["checkpoint", "export-hf", "--adapter", ckpt, str(tmp_path / "lora")]) == 0
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {
+        p.name for p in (tmp_path / "lora").iterdir()}
+    assert json.loads((tmp_path / "lora/adapter_config.json").read_text())["r"] == 8
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    base = AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"))
+    adapted = PeftModel.from_pretrained(base, str(tmp_path / "lora")).eval()
+    losses = [held_out_loss(exported, cfg, tok) for exported in (merged, adapted)]
+    untrained = held_out_loss(AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "model")).eval(), cfg, tok)
+    print(f"run {run_eval:.7f}, merged {losses[0]:.7f}, adapter {losses[1]:.7f}, "
+          f"base {untrained:.7f}")
+    for loss in losses:
+        assert abs(loss - run_eval) <= STEP_RTOL * run_eval, (loss, run_eval)
+    assert abs(untrained - run_eval) > 100 * STEP_RTOL * run_eval, (untrained, run_eval)
