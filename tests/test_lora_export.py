@@ -3,14 +3,15 @@
 ``examples/sft_chat.py`` writes, then ``paraxis checkpoint export-hf``: the merged model
 (``from_pretrained``) and the adapter directory (``--adapter``: adapter_config.json and
 adapter_model.safetensors, loaded by ``PeftModel.from_pretrained`` on the saved base)
-each give the run's last eval loss on the same held-out rows within STEP_RTOL, and only
-the adapters were trained (the run summary's share; the base weights unchanged)."""
+each give the run's last eval loss on the same held-out rows within STEP_RTOL; the run
+summary's trainable parameters are the adapters written, with their share of the model."""
 
 import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 from test_sft_export import held_out_loss
 
 from paraxis.cli.main import main
@@ -38,7 +39,8 @@ def example_config(root):
 def train_example(cfg):
     from paraxis.train.loop import train
 
-    return train(cfg)["eval_loss"]
+    summary = train(cfg)
+    return summary["eval_loss"], summary["trainable_params"], summary["trainable_share"]
 
 
 def test_the_lora_example_exports_merged_and_as_an_adapter(worlds, tmp_path):
@@ -49,7 +51,7 @@ def test_the_lora_example_exports_merged_and_as_an_adapter(worlds, tmp_path):
 
     cfg = example_config(tmp_path)
     assert (cfg.degrees["data"], cfg.degrees["tensor"]) == (2, 2)
-    run_eval = worlds.run(4, train_example, cfg)[0]
+    run_eval, trainable, share = worlds.run(4, train_example, cfg)[0]
     ckpt, tok = str(tmp_path / "checkpoints"), load_tokenizer(cfg.data.tokenizer)
     assert main(["checkpoint", "export-hf", ckpt, str(tmp_path / "merged")]) == 0
     assert main(["checkpoint", "export-hf", "--adapter", ckpt, str(tmp_path / "lora")]) == 0
@@ -66,4 +68,9 @@ def test_the_lora_example_exports_merged_and_as_an_adapter(worlds, tmp_path):
           f"base {untrained:.7f}")
     for loss in losses:
         assert abs(loss - run_eval) <= STEP_RTOL * run_eval, (loss, run_eval)
+    # The summary's trainable line: the adapters peft wrote, and their share of the model
+    adapters = sum(t.numel() for t in load_file(tmp_path / "lora/adapter_model.safetensors")
+                   .values())
+    whole = sum(p.numel() for p in base.parameters())  # the base with its adapters now
+    assert (trainable, share) == (adapters, adapters / whole), (trainable, share, adapters)
     assert abs(untrained - run_eval) > 100 * STEP_RTOL * run_eval, (untrained, run_eval)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -26,14 +27,39 @@ __all__ = ["HEADROOM", "dry_run_verdict", "fit_warning", "load_counts", "run_wor
 HEADROOM = 0.1
 
 
-def load_counts(model: str, seq: int | None = None) -> tuple[ModelCounts, dict[str, Any]]:
+def load_counts(model: str, seq: int | None = None, *, lora_rank: int | None = None,
+                lora_targets: list[str] | None = None) -> tuple[ModelCounts, dict[str, Any]]:
     """The counts of ``model`` (a model dir, config.json or run YAML) built on the meta
-    device, and the run defaults found beside it."""
+    device, with LoRA adapters of ``lora_rank`` when given (:mod:`paraxis.planner.lora`),
+    and the run defaults found beside it."""
+    from paraxis.engine.plugins import make_plugin_manager
+    from paraxis.parallel.anatomy import find_anatomy
+    from paraxis.parallel.model_plan import find_plan
+    from paraxis.planner.lora import with_lora
+
+    pm = make_plugin_manager()
+    source = load_model_source(model)
+    built = build_on_meta(source, pm)
+    anatomy = find_anatomy(built, find_plan(built, pm, None))
+    counts = count_model(built, source.family, seq, anatomy)
+    if lora_rank is not None:
+        counts = with_lora(counts, built, anatomy, lora_rank, lora_targets)
+    return counts, source.defaults
+
+
+def run_builder(model: str, lora_rank: int | None = None,
+                lora_targets: list[str] | None = None) -> Callable[[], Any]:
+    """What the run builds, for the dry run (called on the meta device): ``model``, with
+    rank-``lora_rank`` adapters on ``lora_targets`` (None: every linear layer but the
+    head, peft's all-linear) by the plugin that adapts it (``paraxis_apply_lora``)."""
+    from paraxis.config.lora import LoraSection
+    from paraxis.engine.lora import with_lora
     from paraxis.engine.plugins import make_plugin_manager
 
-    source = load_model_source(model)
-    built = build_on_meta(source, make_plugin_manager())
-    return count_model(built, source.family, seq), source.defaults
+    source, pm = load_model_source(model), make_plugin_manager()
+    lora = None if lora_rank is None else LoraSection(
+        rank=lora_rank, alpha=2 * lora_rank, target_modules=lora_targets or "all-linear")
+    return lambda: with_lora(build_on_meta(source, pm), SimpleNamespace(lora=lora), pm)
 
 
 def dry_run_verdict(run: Any, command: str) -> int:
