@@ -68,3 +68,41 @@ def _trainable_after_parallelize():
     engine = paraxis.parallelize(model, config=RunConfig(lora=LORA), train={"steps": 1})
     trainable = [n for n, p in engine.model.named_parameters() if p.requires_grad]
     return sorted({n.split(".")[-3] for n in trainable}), len(trainable)
+
+
+def _ia3():
+    from peft import IA3Config
+
+    return IA3Config(target_modules=["k_proj", "v_proj", "down_proj"],
+                     feedforward_modules=["down_proj"])
+
+
+def _dora():
+    from peft import LoraConfig
+
+    return LoraConfig(target_modules=["q_proj"], use_dora=True)
+
+
+def _on_experts():
+    from peft import LoraConfig
+
+    return LoraConfig(target_modules=["q_proj"], target_parameters=["experts.gate_up_proj"])
+
+
+@pytest.mark.parametrize(("family", "peft_config", "degrees", "reason"), [
+    ("llama", _ia3, {}, "is IA3, not LoRA"),
+    ("llama", _dora, {"tensor": 2}, "q_proj is a LoRA variant (DoRA...)"),
+    ("mixtral", _on_experts, {}, "mlp.experts: LoRA on routed experts"),
+], ids=["other-peft-method", "dora-under-tensor", "lora-on-routed-experts"])
+def test_what_paraxis_cannot_place_is_refused_before_any_group(family, peft_config,
+                                                               degrees, reason):
+    from peft import get_peft_model
+
+    from paraxis_hf.debug import build_debug_model
+
+    model = get_peft_model(build_debug_model(family), peft_config())
+    with pytest.raises(ValueError) as refused:  # ConfigError or PlanError
+        paraxis.parallelize(model, config=RunConfig.from_kwargs(**degrees),
+                            train={"steps": 1})
+    assert reason in str(refused.value), refused.value
+    assert not torch.distributed.is_initialized()
