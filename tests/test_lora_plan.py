@@ -57,4 +57,24 @@ def test_a_lora_target_no_layer_has_is_one_line(tmp_path, capsys):
     assert main(["plan", "--model", str(tmp_path), *LAYOUT, "--lora-rank", "8",
                  "--lora-targets", "q_proj,qkv"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--lora-targets qkv: no linear layer" in err[0], err
+    assert len(err) == 1 and "lora.target_modules = 'qkv': matches no module" in err[0], err
+
+
+def test_the_lora_example_dry_run_agrees_with_its_plan_over_tensor_2(tmp_path, capsys):
+    """examples/sft_lora.yaml (data 2 x tensor 2): an adapter's side its base does not
+    split is whole on every tensor rank, and the plan counts it so."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("sft_chat", root / "examples/sft_chat.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.write_stand_ins(tmp_path, rows=40)
+    assert main(["train", "--config", str(root / "examples/sft_lora.yaml"), "--dry-run",
+                 "--json", f"model.pretrained={tmp_path}/model",
+                 f"data.source={tmp_path}/chat.jsonl",
+                 f"data.tokenizer={tmp_path}/tokenizer"]) == 0
+    text = capsys.readouterr().out
+    out = json.loads(text[text.index("{"):])  # after the stand-ins' line
+    assert out["model"]["lora_rank"] == 8 and out["dry_run"]["ok"], out["dry_run"]

@@ -156,7 +156,8 @@ def held_params(counts: ModelCounts, layers: list[LayerCount], first: bool, last
     ranks (``expert_tensor``; 1: whole on each tensor rank; measured by ``paraxis plan
     --dry-run``); a tied head is a second copy on the last stage when the embedding
     lives on another one."""
-    dense = sum(c.matrices / t + c.vectors for c in layers)
+    # An adapter's side its base does not split is whole (paraxis.planner.lora)
+    dense = sum(c.matrices / t + c.vectors + c.adapters_whole * (1 - 1 / t) for c in layers)
     expert = sum(c.experts / (e * etp) for c in layers)
     if first:
         dense += counts.embedding / t
@@ -179,7 +180,7 @@ def rank_memory(counts: ModelCounts, layout: ParallelConfig, work: Workload,
     # ZeRO keeps an embedding tied across pipeline stages whole, on the first and last.
     tied = counts.embedding / t if counts.tied and p > 1 and (first or last) else 0.0
     n_dense, n_expert = shard_group_sizes(layout)
-    trainable = sum(c.adapters / t for c in layers) if counts.lora_rank else None
+    trainable = sum(_trainable(c, t) for c in layers) if counts.lora_rank else None
     weights, grads, optim = model_state_bytes(
         dense - tied, expert, whole=tied, zero=par.zero, n_dense=n_dense,
         n_expert=n_expert, precision=work.precision, optimizer_bytes=work.optimizer_bytes,
@@ -190,6 +191,11 @@ def rank_memory(counts: ModelCounts, layout: ParallelConfig, work: Workload,
     buffers, notes = _buffers(counts, layout, work, layers)
     notes.update(layers=len(layers), alive_microbatches=alive, chunks=len(chunks))
     return Memory(rank, weights, grads, optim, acts, buffers, notes)
+
+
+def _trainable(c: LayerCount, t: int) -> float:
+    """A LoRA layer's adapter parameters on one tensor rank."""
+    return (c.adapters - c.adapters_whole) / t + c.adapters_whole
 
 
 def _activations(counts: ModelCounts, layout: ParallelConfig, work: Workload, rank: int,
@@ -247,7 +253,7 @@ def _buffers(counts: ModelCounts, layout: ParallelConfig, work: Workload,
     grad = BYTES_PER_PARAM[work.precision][1]
     out: dict[str, Any] = {}
     params = [c.matrices / t + c.vectors + c.experts / e for c in layers]
-    graded = [c.adapters / t for c in layers] if counts.lora_rank else params
+    graded = [_trainable(c, t) for c in layers] if counts.lora_rank else params
     if layout.token_replicas > 1:
         if par.zero < 3:  # one bucket in flight, never more than the gradients it holds
             out["data_bucket"] = min(par.bucket_mb * MiB, sum(graded) * grad)

@@ -60,6 +60,7 @@ class LayerCount:
     vectors: int  # norms and biases: kept whole on every tensor rank (an upper bound)
     experts: int  # split over the expert axis (and tensor)
     adapters: int = 0  # LoRA's, counted in matrices too: the layer's trainable ones
+    adapters_whole: int = 0  # of those, whole on every tensor rank (paraxis.planner.lora)
 
     @property
     def total(self) -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -30,36 +29,44 @@ HEADROOM = 0.1
 def load_counts(model: str, seq: int | None = None, *, lora_rank: int | None = None,
                 lora_targets: list[str] | None = None) -> tuple[ModelCounts, dict[str, Any]]:
     """The counts of ``model`` (a model dir, config.json or run YAML) built on the meta
-    device, with LoRA adapters of ``lora_rank`` when given (:mod:`paraxis.planner.lora`),
-    and the run defaults found beside it."""
+    device, wrapped with LoRA adapters of ``lora_rank`` when given
+    (:mod:`paraxis.planner.lora`), and the run defaults found beside it."""
     from paraxis.engine.plugins import make_plugin_manager
-    from paraxis.parallel.anatomy import find_anatomy
-    from paraxis.parallel.model_plan import find_plan
-    from paraxis.planner.lora import with_lora
+    from paraxis.planner.lora import adapted, lora_section
 
     pm = make_plugin_manager()
     source = load_model_source(model)
-    built = build_on_meta(source, pm)
-    anatomy = find_anatomy(built, find_plan(built, pm, None))
-    counts = count_model(built, source.family, seq, anatomy)
-    if lora_rank is not None:
-        counts = with_lora(counts, built, anatomy, lora_rank, lora_targets)
-    return counts, source.defaults
+    with torch.device("meta"):
+        built = build_on_meta(source, pm)
+        if lora_rank is not None:
+            built = adapted(built, lora_section(lora_rank, lora_targets), pm)
+    return counts_of(built, source.family, seq, pm), source.defaults
+
+
+def counts_of(model: Any, family: str, seq: int | None, pm: Any) -> ModelCounts:
+    """:func:`count_model`, with a LoRA model's adapters counted trainable and the rest
+    frozen (:func:`paraxis.planner.lora.with_adapters`)."""
+    from paraxis.parallel.anatomy import find_anatomy
+    from paraxis.parallel.model_plan import find_plan
+    from paraxis.planner.lora import with_adapters
+
+    plan = find_plan(model, pm, None)
+    anatomy = find_anatomy(model, plan)
+    return with_adapters(count_model(model, family, seq, anatomy), model, anatomy, plan)
 
 
 def run_builder(model: str, lora_rank: int | None = None,
                 lora_targets: list[str] | None = None) -> Callable[[], Any]:
     """What the run builds, for the dry run (called on the meta device): ``model``, with
-    rank-``lora_rank`` adapters on ``lora_targets`` (None: every linear layer but the
-    head, peft's all-linear) by the plugin that adapts it (``paraxis_apply_lora``)."""
-    from paraxis.config.lora import LoraSection
-    from paraxis.engine.lora import with_lora
+    rank-``lora_rank`` adapters on ``lora_targets`` (:mod:`paraxis.planner.lora`)."""
     from paraxis.engine.plugins import make_plugin_manager
+    from paraxis.planner.lora import adapted, lora_section
 
     source, pm = load_model_source(model), make_plugin_manager()
-    lora = None if lora_rank is None else LoraSection(
-        rank=lora_rank, alpha=2 * lora_rank, target_modules=lora_targets or "all-linear")
-    return lambda: with_lora(build_on_meta(source, pm), SimpleNamespace(lora=lora), pm)
+    if lora_rank is None:
+        return lambda: build_on_meta(source, pm)
+    lora = lora_section(lora_rank, lora_targets)
+    return lambda: adapted(build_on_meta(source, pm), lora, pm)
 
 
 def dry_run_verdict(run: Any, command: str) -> int:
@@ -96,7 +103,9 @@ def train_dry_run(config: Any, *, build: Callable[[], Any], as_json: bool) -> in
         model = build()
     family = getattr(getattr(model, "config", None), "model_type", None) or \
         config.model.family
-    counts = count_model(model, family, config.train.seq_length)
+    from paraxis.engine.plugins import make_plugin_manager
+
+    counts = counts_of(model, family, config.train.seq_length, make_plugin_manager())
     plan = evaluate(counts, config, run_workload(config), Hardware())
     run = dry_run(plan, build=build, train=config.train)
     if as_json:
