@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from test_sft_export import held_out_loss
 
 from paraxis.cli.main import main
-from paraxis.config.run import RunConfig
+from paraxis.config.run import LoraSection, RunConfig
 from paraxis.testing.tolerance import STEP_RTOL
 
 pytest.importorskip("peft")  # paraxis-hf[peft]
@@ -74,3 +74,30 @@ def test_the_lora_example_exports_merged_and_as_an_adapter(worlds, tmp_path):
     whole = sum(p.numel() for p in base.parameters())  # the base with its adapters now
     assert (trainable, share) == (adapters, adapters / whole), (trainable, share, adapters)
     assert abs(untrained - run_eval) > 100 * STEP_RTOL * run_eval, (untrained, run_eval)
+
+
+def first_loss(cfg):
+    from paraxis.train.loop import train
+
+    history = []
+    train(cfg, history=history)
+    return history[0]["loss"], history[-1]["loss"]
+
+
+def test_a_family_built_lora_model_starts_where_the_unwrapped_one_does(worlds, tmp_path):
+    """``paraxis train`` of ``model.family`` builds on the meta device and draws each
+    weight from (seed, name, element); peft renames the base weights
+    (``….q_proj.base_layer.weight``) and B starts at zero, so the first loss is the
+    unwrapped model's (paraxis_hf.lora_init.PeftMaterializer), and training moves it."""
+    def config(lora):
+        overrides = ["parallelism.data=1", "train.steps=2", "train.warmup_steps=1",
+                     "train.global_batch=4", "train.seq_length=32",
+                     "data.max_bytes=200000", "logging.wandb=false",
+                     "logging.progress=false", f"train.checkpoint_dir={tmp_path}/{lora}"]
+        cfg = RunConfig.load(ROOT / "examples/llama.yaml", overrides, env={})
+        section = LoraSection(rank=4, target_modules=["q_proj", "v_proj"])
+        return cfg.model_copy(update={"lora": section if lora else None})
+
+    full, adapted = (worlds.run(1, first_loss, config(lora))[0] for lora in (False, True))
+    assert abs(adapted[0] - full[0]) <= STEP_RTOL * full[0], (adapted, full)
+    assert adapted[1] != adapted[0] and adapted[1] != full[1], (adapted, full)
