@@ -42,6 +42,13 @@ def test_lora_on_attention_of_mixtral_over_expert_2(worlds):
     compare(worlds, "mixtral", {"expert": 2}, steps=STEPS, lora=ATTENTION)
 
 
+def test_a_module_to_save_under_tensor_parallelism(worlds):
+    """The head trained whole beside the adapters (peft's modules_to_save): the plan's
+    style goes to its two copies, the trained one split like the head (4 steps)."""
+    saved = {**ATTENTION, "modules_to_save": ["lm_head"]}
+    compare(worlds, "llama", {"tensor": 2}, steps=4, lora=saved, sequence_parallel=True)
+
+
 def test_lora_on_eight_ranks(worlds):
     compare(worlds, "llama", {"data": 2, "tensor": 2, "pipeline": 2}, steps=STEPS,
             lora=LLAMA, microbatches=2)

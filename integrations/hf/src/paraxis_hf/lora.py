@@ -147,7 +147,8 @@ def peft_plan(model: nn.Module) -> ModelPlan:
         return f"{prefix}.{name}"
 
     tensor = {under(k): v for k, v in plan.tensor.items()}
-    tensor = {**_saved_copies(model, tensor, adapter), **tensor}
+    saved = _saved_copies(model, tensor, adapter)  # first: before the patterns they match
+    tensor = {**saved, **{k: v for k, v in tensor.items() if k not in saved}}
     moved = dataclasses.replace(
         plan, model_class=f"{plan.model_class} (peft LoRA)", tensor=tensor,
         pipeline={under(k): v for k, v in plan.pipeline.items()},
