@@ -54,7 +54,8 @@ def parameters(args: argparse.Namespace) -> int:
 
 
 def workers(launcher: int) -> dict[int, int]:
-    """rank -> pid of the launcher's descendants that torchrun gave a RANK."""
+    """rank -> pid of the launcher's descendants that torchrun gave a RANK, or of its
+    children where the workers were forked from it."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -64,6 +65,7 @@ def workers(launcher: int) -> dict[int, int]:
                 continue
             children.setdefault(ppid, []).append(int(entry.name))
     out, todo = {}, [launcher]
+    forked = sorted(children.get(launcher, []))
     while todo:
         pid = todo.pop()
         todo += children.get(pid, [])
@@ -74,7 +76,9 @@ def workers(launcher: int) -> dict[int, int]:
         rank = next((int(e[5:]) for e in env if e.startswith(b"RANK=")), None)
         if rank is not None and pid != launcher:
             out[rank] = pid
-    return out
+    # Workers forked from the launcher (paraxis.train.forked, CPU) show the launcher's
+    # environment at its start in /proc, without RANK: its children, in start order.
+    return out or dict(enumerate(forked))
 
 
 def peak_of(pid: int) -> int | None:
@@ -129,7 +133,8 @@ def main() -> int:
         f"vocabulary {args.vocab}; whole model {4 * n / GB:.2f} GB in fp32; ZeRO-3 over "
         f"data {args.ranks}, {args.steps} steps of {args.ranks} x {args.seq} tokens, no "
         f"MALLOC_* in the environment; {machine()}; {wall:.0f} s). Peak RSS is each "
-        "worker's VmHWM.", "",
+        "worker's VmHWM (forked workers counted in start order; their pages shared with the "
+        "launcher count in each).", "",
         "| rank | peak RSS (GB) | of the whole fp32 model |", "| ---: | ---: | ---: |",
         *rows, "",
         f"Worst {worst / GB:.3f} GB against the bound 0.5 x {4 * n / GB:.2f} + 0.7 = "

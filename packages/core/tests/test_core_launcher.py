@@ -113,3 +113,43 @@ def test_the_thresholds_give_freed_blocks_back_to_the_system():
           f"{without / freed:.3f} without")
     assert with_thresholds >= 0.9 * freed
     assert without <= 0.1 * freed  # what the thresholds are for (glibc's default)
+
+
+# After a 16 MiB block is freed (glibc's dynamic threshold now 16 MiB), how many of forty
+# 8 MiB blocks glibc maps on their own (mallinfo2's hblks; glibc >= 2.33): all with a
+# 1 MiB threshold in force, none without. Deterministic, unlike the pages returned.
+_MAPPED = """
+import ctypes, torch
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks",
+                "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Info
+torch.empty(4 << 20).fill_(1)
+before = libc.mallinfo2().hblks
+big = [torch.empty(2 << 20) for _ in range(40)]
+print(libc.mallinfo2().hblks - before)
+"""
+
+
+def test_a_forked_worker_applies_the_thresholds_it_inherits():
+    """A forked worker's glibc read its environment before the launcher set the
+    thresholds (issue 38's forked start-up): ``malloc_from_environment`` applies them
+    with mallopt (paraxis.train.forked). The child here sets them after it started, as a
+    forked worker finds them; without the call (the plant) none of the blocks is mapped
+    on its own."""
+    import os
+    import subprocess
+    import sys
+
+    def mapped(apply):
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+        setup = ("import os\nfrom paraxis.train.forked import malloc_from_environment\n"
+                 f"os.environ.update({dict(MALLOC_DEFAULTS)!r})\n"
+                 + ("assert len(malloc_from_environment()) == 2\n" if apply else ""))
+        out = subprocess.run([sys.executable, "-c", setup + _MAPPED], env=clean,
+                             capture_output=True, text=True, check=True)
+        return int(out.stdout.split()[-1])
+
+    assert mapped(True) == 40
+    assert mapped(False) == 0  # glibc's own threshold, which the call replaces

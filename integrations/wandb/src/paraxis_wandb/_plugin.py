@@ -17,4 +17,20 @@ def paraxis_metric_sinks(config: Any, directory: str) -> list[WandbLogger] | Non
     section = getattr(config, "logging", None)
     if section is not None and not section.wandb:
         return None
-    return [WandbLogger()]
+    return [WandbLogger(background=True)]
+
+
+@hookimpl
+def paraxis_before_workers(config: Any) -> None:
+    """W&B imported and its service started in the launcher: the logging rank, forked
+    from it, opens its run on that service (W&B's ``wandb.setup()`` for multiprocess
+    training) instead of paying both before its first step."""
+    section = getattr(config, "logging", None)
+    if section is None or not section.wandb:
+        return
+    try:
+        import wandb
+
+        wandb.setup()
+    except Exception:  # never let logging stop training: the rank sets W&B up itself
+        return

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -50,9 +51,23 @@ class WandbLogger(MetricSink):
 
     name = "wandb"
 
-    def __init__(self, init_timeout_s: float = 30.0):
-        self.run: Any = None
+    def __init__(self, init_timeout_s: float = 30.0, *, background: bool = False):
+        self._run: Any = None
         self.init_timeout_s = init_timeout_s
+        self.background = background  # open the run in a thread (the trainer's sink)
+        self._opening: threading.Thread | None = None
+
+    @property
+    def run(self) -> Any:
+        """The W&B run, once :meth:`start`'s opening finished (None when W&B is off)."""
+        if self._opening is not None:
+            self._opening.join()
+            self._opening = None
+        return self._run
+
+    @run.setter
+    def run(self, value: Any) -> None:
+        self._run = value
 
     def start(self, config: Any, grid: dict[str, Any], first_step: int = 0) -> None:
         section = getattr(config, "logging", None)
@@ -66,10 +81,21 @@ class WandbLogger(MetricSink):
         kwargs = {"project": getattr(section, "project", "paraxis"),
                   "name": getattr(section, "run_name", None), "config": payload,
                   "dir": os.environ.get("WANDB_DIR"), **_resumable(config)}
+        if not self.background:
+            self._open(wandb, kwargs)
+            return
+        # Opened beside the rank's first steps: wandb.init waits on W&B's service for
+        # most of its 0.6-0.9 s, which every rank otherwise waited out before its first
+        # step (issue 38, start-up). Reading ``run`` (the first log) joins it.
+        self._opening = threading.Thread(target=self._open, args=(wandb, kwargs),
+                                         name="paraxis-wandb-init", daemon=True)
+        self._opening.start()
+
+    def _open(self, wandb: Any, kwargs: dict[str, Any]) -> None:
         for mode in (None, "offline"):  # as configured (WANDB_MODE), then offline
             try:
                 settings = wandb.Settings(init_timeout=self.init_timeout_s, silent=True)
-                self.run = wandb.init(mode=mode, settings=settings, **kwargs)
+                self._run = wandb.init(mode=mode, settings=settings, **kwargs)
                 return
             except Exception as exc:  # W&B raises many types when unreachable
                 log.warning("W&B init failed (%s mode): %s", mode or "configured", exc)

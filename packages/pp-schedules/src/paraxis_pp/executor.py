@@ -37,15 +37,23 @@ from paraxis_pp.actions import Action, Schedule
 from paraxis_pp.mailbox import Mailbox
 from paraxis_pp.simulate import Timeline
 
-try:  # torch's own B/W split (what its zero-bubble schedules use); private but stable
-    from torch.distributed.pipelining._backward import (
-        stage_backward_input,
-        stage_backward_weight,
-    )
-except ImportError:  # pragma: no cover - older torch: W re-walks the graph instead
-    stage_backward_input = stage_backward_weight = None
-
 __all__ = ["PipelineRunner"]
+
+
+def _split_backward() -> tuple[Any, Any]:
+    """torch's own B/W split (what its zero-bubble schedules use; private but stable),
+    or (None, None) on a torch without it (W re-walks the graph instead). Imported
+    when a split backward first runs: ``torch.distributed.pipelining`` costs about a
+    second of CPU per process, which every run paid when loading this plugin."""
+    try:
+        from torch.distributed.pipelining._backward import (
+            stage_backward_input,
+            stage_backward_weight,
+        )
+    except ImportError:  # pragma: no cover - older torch
+        return None, None
+    return stage_backward_input, stage_backward_weight
+
 
 # Receives posted ahead of the action that needs them: the next actions' (each holds one
 # microbatch's hidden states until its action runs).
@@ -260,6 +268,7 @@ class PipelineRunner:
         if stage == 0:  # no input gradient to send: all the work happens at W
             grads[key] = ("full", live)
             return None
+        stage_backward_input, _ = _split_backward()
         if stage_backward_input is not None:
             (x_grad,), groups = stage_backward_input(
                 [o for o, _ in live], [g for _, g in live], [x],
@@ -275,7 +284,7 @@ class PipelineRunner:
                       saved: tuple) -> None:
         how, value = saved
         if how == "groups":
-            stage_backward_weight(self.chunks[key[1]].parameters(), value)
+            _split_backward()[1](self.chunks[key[1]].parameters(), value)
         elif value:
             torch.autograd.backward([o for o, _ in value], [g for _, g in value])
 

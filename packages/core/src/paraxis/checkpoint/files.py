@@ -29,7 +29,7 @@ from safetensors import SafetensorError, safe_open
 from paraxis.version import __version__
 
 __all__ = ["BLOCK", "FORMAT_VERSION", "CheckedFiles", "CheckpointError", "file_digest",
-           "read_index"]
+           "is_plain_name", "read_index"]
 
 # 2: files carry size and sha256 (version 1 is still read, without those checks).
 # 3: the model's persistent buffers are saved (``buffer/<name>``) and a checkpoint must
@@ -129,7 +129,32 @@ def read_index(ckpt: Path) -> dict[str, Any]:
         raise CheckpointError(
             f"{path} has format version {version}, newer than this paraxis reads "
             f"({FORMAT_VERSION}, paraxis {__version__}): upgrade paraxis to load it")
+    try:
+        names = _named_files(index)
+    except (AttributeError, KeyError, TypeError):
+        raise CheckpointError(f"{path} is damaged: its file and tensor tables are not "
+                              "what paraxis writes") from None
+    for name in names:
+        if not is_plain_name(name):  # ../rank00000.safetensors would read outside it
+            raise CheckpointError(
+                f"{path} names the file {name!r}, outside its directory: an index may "
+                "name only files beside it, so it is refused; restore the checkpoint "
+                "from a copy you trust")
     return index
+
+
+def is_plain_name(name: object) -> bool:
+    """A file name with no directory part: no separator, not ``.`` or ``..``, not empty."""
+    return (isinstance(name, str) and name not in ("", ".", "..")
+            and "/" not in name and "\\" not in name and "\0" not in name)
+
+
+def _named_files(index: dict[str, Any]) -> list[Any]:
+    """Every file name ``index`` names: the recorded files and each shard's file."""
+    names = list(index.get("files") or {})
+    for entry in index["tensors"].values():
+        names += [shard.get("file") for shard in entry.get("shards", ())]
+    return list(dict.fromkeys(names))
 
 
 class CheckedFiles:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from paraxis.checkpoint.files import FORMAT_VERSION, CheckpointError
+from paraxis.checkpoint.files import FORMAT_VERSION, CheckpointError, is_plain_name
 from paraxis.checkpoint.state import TrainState
 from paraxis.parallel.optimizers import optimizer_params
 from paraxis.parallel.placement import Placement
@@ -133,7 +133,11 @@ def resolve(directory: str | os.PathLike[str]) -> Path:
     latest = root / "latest"
     if not latest.exists():
         raise CheckpointError(f"no checkpoint in {root}: neither index.json nor latest")
-    step = root / latest.read_text().strip()
+    name = latest.read_text().strip()
+    if not is_plain_name(name):  # never a directory outside ``root``
+        raise CheckpointError(f"{latest} names {name!r}, not a step directory beside it: "
+                              "refused; write the step's directory name into it")
+    step = root / name
     if not step.exists() and (root / f".old-{step.name}").exists():
         return root / f".old-{step.name}"
     return step

@@ -21,7 +21,7 @@ from paraxis.checkpoint.format import optimizer_keys, optimizer_params, pieces, 
 from paraxis.checkpoint.packed import has_repacked, read_repacked
 from paraxis.checkpoint.state import Restored, TrainState
 from paraxis.parallel.placement import Placement, placement_of
-from paraxis.runtime.collectives import barrier
+from paraxis.runtime.agreement import agreed
 
 __all__ = ["Reader", "check_model", "load_checkpoint", "read_model_tensors"]
 
@@ -120,7 +120,16 @@ def load_checkpoint(state: TrainState, directory: str | os.PathLike[str], *,
     ``verify`` checks the SHA-256 of what is read before reading it (of each block
     read, or of each whole file for a checkpoint older than format 4; sizes are always
     checked).
-    Collective."""
+    Collective; an error one rank meets (a file only it reads is damaged) is raised on
+    every rank with its message (:func:`paraxis.runtime.agreement.agreed`)."""
+    with agreed(state.grid.world, "loading the checkpoint", known=(CheckpointError,)):
+        restored = _restore(state, directory, verify)
+    return restored
+
+
+def _restore(state: TrainState, directory: str | os.PathLike[str], verify: bool
+             ) -> Restored:
+    """:func:`load_checkpoint` on this rank, the status exchange aside."""
     ckpt = resolve(directory)
     index = read_index(ckpt)
     check_model(index, state.model, ckpt)
@@ -137,7 +146,6 @@ def load_checkpoint(state: TrainState, directory: str | os.PathLike[str], *,
         scaler.load_state_dict(index["loss_scaler"])
     if index["grid"]["degrees"] == state.grid.layout.degrees:
         _load_rng(state, reader)  # RNG streams belong to ranks; elsewhere they mean nothing
-    barrier(state.grid.world)
     return Restored(step=int(index["step"]), data_state=dict(index["data"]))
 
 

@@ -25,12 +25,17 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     if args.source != "stdlib" and not Path(args.source).exists():
         print(f"paraxis data prepare: {args.source} does not exist", file=sys.stderr)
         return 1
+    try:  # here, before any worker: a missing or unreadable tokenizer is one line
+        tokenizer = load_tokenizer(args.tokenizer)
+    except OSError as exc:
+        print(f"paraxis data prepare: --tokenizer: {exc}", file=sys.stderr)
+        return 1
     stored = {} if args.source_format is None else {"source_format": args.source_format}
     cfg = DataSection(source=args.source, format=args.format, text_field=args.text_field,
                       prompt_field=args.prompt_field, response_field=args.response_field,
                       messages_field=args.messages_field, tokenizer=args.tokenizer,
                       max_bytes=args.max_bytes, **stored)
-    why = template_problem(load_tokenizer(args.tokenizer)) if cfg.format == "chat" else None
+    why = template_problem(tokenizer) if cfg.format == "chat" else None
     if why is not None:
         print(f"paraxis data prepare: --format chat: the tokenizer {args.tokenizer} {why}",
               file=sys.stderr)

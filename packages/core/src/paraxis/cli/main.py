@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from paraxis.cli.checkpoint import add_checkpoint_commands
 from paraxis.cli.data import add_data_commands
+from paraxis.cli.prelaunch import model_problems, saved_model_config, warm_workers
 from paraxis.config.errors import ConfigError
 from paraxis.config.rules import validate
 from paraxis.config.run import RunConfig
@@ -20,7 +21,7 @@ from paraxis.engine.resolve import resolve
 from paraxis.parallel.optimizers import optimizer_problems
 from paraxis.planner.cli import add_plan_parser
 from paraxis.train.build import lora_problems
-from paraxis.train.data import check_data
+from paraxis.train.data import check_data, load_tokenizer
 from paraxis.train.launcher import add_launch_arguments
 from paraxis.train.lifecycle import LOCK_ENV, DirectoryLock, LockedError, die_with_parent
 
@@ -33,18 +34,24 @@ def _load_checked(args: argparse.Namespace) -> RunConfig:
     model = ModelShape.from_file(args.model) if getattr(args, "model", None) else None
     if model is not None:  # what is split and counted is the trained length
         model = dataclasses.replace(model, seq_length=config.train.seq_length)
-    if model is None and config.model.config:
-        model = ModelShape.from_hf_config({**config.model.config,
+    saved = saved_model_config(config)  # model.pretrained's config.json, read as JSON
+    if model is None and (config.model.config or saved):
+        model = ModelShape.from_hf_config({**saved, **config.model.config,
                                            "max_position_embeddings": config.train.seq_length})
         model = model if model.hidden_size and model.num_attention_heads else None
     pm = make_plugin_manager()
     config = config.with_axes(axis_table(pm))
     missing = resolve(config, pm, has_experts=bool(model and model.num_experts)).missing
+    data = check_data(config)
+    extra = [*config.check_run(), *missing, *data, *optimizer_problems(config.train, config),
+             *precision_problems(config.train), *lora_problems(config, pm)]
+    if "RANK" not in os.environ and not any(p.field == "data.tokenizer" for p in data):
+        # Before any rank starts: the pretrained weights and the checkpoint resumed from
+        # against the run's model (a rank under torchrun alone meets them when it loads).
+        extra += model_problems(config, pm, lambda: load_tokenizer(
+            config.data.tokenizer).vocab_size)
     validate(config, world_size=getattr(args, "world_size", None), model=model,
-             plugin_manager=pm, extra=[*config.check_run(), *missing, *check_data(config),
-                                       *lora_problems(config, pm),
-                                       *optimizer_problems(config.train, config),
-                                       *precision_problems(config.train)])
+             plugin_manager=pm, extra=extra)
     return config
 
 
@@ -53,8 +60,14 @@ def _load_or_report(args: argparse.Namespace) -> RunConfig | None:
     try:
         return _load_checked(args)
     except (ConfigError, ImportError, OSError) as exc:
-        print(f"{args.config}: {exc}", file=sys.stderr)
+        _report(args.config, exc)
         return None
+
+
+def _report(config: str, exc: BaseException) -> None:
+    """One error on stderr, prefixed by the config's path unless it names it already."""
+    text = str(exc)
+    print(text if text.startswith(str(config)) else f"{config}: {text}", file=sys.stderr)
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
@@ -128,7 +141,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
             from paraxis.train.launcher import LaunchOptions, run_workers
 
             argv = sys.argv[1:] if args.argv is None else args.argv
-            return run_workers(config.world_size, LaunchOptions.from_args(args), argv, ckpt)
+            return run_workers(config.world_size, LaunchOptions.from_args(args), argv, ckpt,
+                               entry=main, warm=lambda: warm_workers(
+                                   config, make_plugin_manager()))
         return _train_here(config)
     except (ConfigError, LockedError) as exc:
         print(f"{args.config}: {exc}", file=sys.stderr)
@@ -140,7 +155,6 @@ def _dry_run(config: RunConfig, args: argparse.Namespace) -> int:
     fake process group (paraxis.planner.dryrun); nothing is launched or trained."""
     from paraxis.planner.run_checks import train_dry_run
     from paraxis.train.build import build_model, model_spec
-    from paraxis.train.data import load_tokenizer
 
     if "RANK" in os.environ:
         print(f"{args.config}: --dry-run builds its own fake world; run it outside "

@@ -30,6 +30,9 @@ class ConfigError(ValueError):
 
     def __init__(self, problems: list[Problem]):
         self.problems = list(problems)
+        if len(self.problems) == 1:  # one problem, one line (the CLI prints it as is)
+            super().__init__(str(self.problems[0]))
+            return
         lines = [f"{len(self.problems)} configuration problem(s):"]
         lines += [f"  - {p}" for p in self.problems]
         super().__init__("\n".join(lines))

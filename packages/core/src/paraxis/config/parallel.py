@@ -17,10 +17,8 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -33,7 +31,7 @@ from pydantic import (
 
 from paraxis.config.axes import BUILTIN_AXES, AxisTable
 from paraxis.config.errors import ConfigError, Problem
-from paraxis.config.text import expand_env, problem_from_pydantic
+from paraxis.config.text import nearest, problem_from_pydantic, read_config
 
 __all__ = [
     "AXES",
@@ -234,7 +232,7 @@ class ParallelConfig(_Section):
         try:
             return cls.model_validate(dict(data))
         except ValidationError as exc:
-            raise ConfigError([problem_from_pydantic(e) for e in exc.errors()]) from None
+            raise ConfigError([problem_from_pydantic(e, cls) for e in exc.errors()]) from None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ParallelConfig:
@@ -262,10 +260,10 @@ class ParallelConfig(_Section):
             elif key in owners:
                 sections[owners[key]][key] = value
             else:
-                unknown.append(
-                    Problem(key, value, "is not a configuration option",
-                            f"use one of {sorted(owners)}")
-                )
+                near = nearest(key, [*owners, *sections])
+                unknown.append(Problem(key, value, "is not a configuration option",
+                                       f"write {near} (the nearest option)" if near else
+                                       f"use one of {sorted(owners)}"))
         if unknown:
             raise ConfigError(unknown)
         return cls.from_dict(sections)
@@ -278,10 +276,5 @@ class ParallelConfig(_Section):
         Sections other than the three above (``model``, ``train``...) are ignored here:
         they belong to the engine's own configuration.
         """
-        text = expand_env(Path(path).read_text(), os.environ if env is None else env,
-                          source=str(path))
-        raw = yaml.safe_load(text) or {}
-        if not isinstance(raw, dict):
-            raise ConfigError([Problem(str(path), type(raw).__name__, "must be a YAML mapping",
-                                       "write sections such as 'parallelism:' at top level")])
+        raw = read_config(path, os.environ if env is None else env)
         return cls.from_dict({k: raw[k] for k in cls.model_fields if k in raw})

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt, model_validator
 
-from paraxis.config.errors import ConfigError, Problem
+from paraxis.config.errors import Problem
 from paraxis.config.lora import LoraSection
 from paraxis.config.parallel import ParallelConfig, _Section
 from paraxis.config.reporting import LoggingSection, ProfileWindow
-from paraxis.config.text import expand_env
+from paraxis.config.text import apply_overrides, read_config
 
 __all__ = ["DataSection", "EvalData", "LoggingSection", "LoraSection", "LossScaling",
            "ModelSection", "ProfileWindow", "RunConfig", "TrainSection"]
@@ -209,9 +207,7 @@ class RunConfig(ParallelConfig):
         """Read YAML (with ``${VAR}`` expansion), apply ``a.b=value`` overrides and check
         types. Cross-field rules are :meth:`check_run` and
         :func:`paraxis.config.rules.validate`; the CLI reports them all together."""
-        text = expand_env(Path(path).read_text(), os.environ if env is None else env,
-                          source=str(path))
-        raw = yaml.safe_load(text) or {}
+        raw = read_config(path, os.environ if env is None else env)
         apply_overrides(raw, overrides)
         return cls.from_dict(raw)
 
@@ -278,21 +274,3 @@ class RunConfig(ParallelConfig):
             problems.append(Problem("data.eval", d.eval.model_dump(), "unpacked rows do "
                                     "not evaluate yet", "keep data.packing: true for eval"))
         return problems
-
-
-def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> None:
-    """``train.steps=50`` sets raw["train"]["steps"] = 50 (the value parsed as YAML)."""
-    bad = []
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            bad.append(Problem("override", item, "must look like section.key=value",
-                               "write e.g. train.steps=50"))
-            continue
-        node = raw
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(value)
-    if bad:
-        raise ConfigError(bad)

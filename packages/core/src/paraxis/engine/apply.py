@@ -35,6 +35,7 @@ from paraxis.parallel.model_plan import ModelPlan, find_plan
 from paraxis.parallel.optimizers import make_optimizer, optimizer_problems
 from paraxis.parallel.placement import record_replicated
 from paraxis.parallel.strategy import MATERIALIZE_ATTR, ApplyContext, Phase, Strategy, deferred
+from paraxis.runtime.agreement import agreed
 from paraxis.runtime.grid import Grid
 from paraxis.runtime.world import device_for_rank, init_distributed, launched_world_size
 
@@ -240,14 +241,21 @@ def apply_strategies(model: nn.Module, ctx: ApplyContext,
     materialize = getattr(model, MATERIALIZE_ATTR, None)
     for cls in strategies:
         if materialize is not None and cls.phase >= Phase.WRAP and not cls.takes_meta:
-            materialize(model)
+            _materialize(materialize, model, ctx)
             materialize = None
         strategy = cls()
         model = strategy.apply(model, ctx)
         ctx.strategies.append(strategy)
     if materialize is not None:
-        materialize(model)
+        _materialize(materialize, model, ctx)
     return model
+
+
+def _materialize(materialize: Any, model: nn.Module, ctx: ApplyContext) -> None:
+    """Each rank reads its own slices (pretrained weights): an error one rank meets is
+    raised on every rank with its message (:func:`paraxis.runtime.agreement.agreed`)."""
+    with agreed(ctx.grid.world, "materializing the model", known=(ConfigError,)):
+        materialize(model)
 
 
 def apply_parallelism(model: nn.Module, *, grid: Grid, config: ParallelConfig,

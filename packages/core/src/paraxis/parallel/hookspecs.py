@@ -236,3 +236,16 @@ def paraxis_lora_problems(config: Any) -> list[Problem] | None:
     Called by ``paraxis validate`` and ``paraxis train`` before any process starts, and
     by the trainer before any process group. firstresult.
     """
+
+
+@hookspec
+def paraxis_before_workers(config: Any) -> None:
+    """Do once, before the workers exist, what each worker's copy of the plugin would do
+    alike: import a heavy module, start a service the workers then share.
+
+    Called by ``paraxis train``'s launcher with the :class:`paraxis.config.run.RunConfig`,
+    after the configuration passed every check and only where the workers are forked
+    from the launcher (:mod:`paraxis.train.forked`), so they inherit what it did; never
+    under plain torchrun. paraxis-wandb imports W&B and starts its service here. Must not
+    raise or touch an accelerator. Not firstresult.
+    """

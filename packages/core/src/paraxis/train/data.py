@@ -26,7 +26,18 @@ from paraxis.train.shards import TokenRows, token_rows
 from paraxis.train.tokenize import ByteTokenizer, load_tokenizer
 
 __all__ = ["BatchStream", "ByteTokenizer", "check_data", "document_positions",
-           "iter_documents", "load_tokenizer", "pack", "split_held_out"]
+           "iter_documents", "load_tokenizer", "pack", "prepack", "split_held_out"]
+
+
+# Rows the launcher packed before it forked the workers (paraxis.train.forked), by what
+# pack() was asked: a forked worker takes them, shared copy-on-write, instead of
+# tokenizing the corpus again. Empty in every other process.
+_PREPACKED: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def prepack(cfg: DataSection, seq_length: int, tokenizer: Any) -> None:
+    """Pack ``cfg``'s rows now, for :func:`pack` to return in processes forked later."""
+    _PREPACKED[(cfg.model_dump_json(), seq_length)] = pack(cfg, seq_length, tokenizer)
 
 
 def pack(cfg: DataSection, seq_length: int, tokenizer: Any) -> torch.Tensor | TokenRows:
@@ -38,6 +49,9 @@ def pack(cfg: DataSection, seq_length: int, tokenizer: Any) -> torch.Tensor | To
                          "labels: paraxis.train.example_rows.pack_examples")
     if cfg.source != "stdlib" and source_kind(Path(cfg.source), cfg.source_format) == "tokens":
         return token_rows(Path(cfg.source), seq_length)
+    packed = _PREPACKED.get((cfg.model_dump_json(), seq_length))
+    if packed is not None:
+        return packed
     sep = torch.tensor([tokenizer.separator], dtype=torch.long)
     pieces: list[torch.Tensor] = []
     for doc in iter_documents(cfg):

@@ -7,7 +7,10 @@ fails, the error. The launcher reads them when torchrun's agent says ranks faile
 
 * an error every rank can meet alike and that names its cause (a configuration
   problem, a damaged checkpoint, a refused layout: :data:`KNOWN`) is printed once, as
-  one line with the ranks that raised it, and the workers print no traceback;
+  one line with the ranks that raised it, and the workers print no traceback; an error
+  one rank met in a phase all ranks agree on (:mod:`paraxis.runtime.agreement`: a
+  checkpoint file only that rank reads) names the ranks that met it, not every rank
+  that stopped with it;
 * a rank killed by SIGKILL printed nothing (it could not): it is named as killed, most
   likely by the kernel's out-of-memory killer, with its last recorded memory and step;
 * any other error keeps the worker's traceback, which is above.
@@ -25,12 +28,14 @@ from paraxis.checkpoint.files import CheckpointError
 from paraxis.config.errors import ConfigError
 from paraxis.engine.metrics import peak_rss_bytes
 from paraxis.parallel.model_plan import PlanError
+from paraxis.runtime.agreement import AgreedError
 
 __all__ = ["KNOWN", "REPORT_ENV", "RankRecord", "explain"]
 
 REPORT_ENV = "PARAXIS_REPORT_DIR"
 # Errors that name their cause and that every rank meets alike: one line says it all.
-KNOWN = (ConfigError, CheckpointError, PlanError)
+# AgreedError: a peer's error in an agreed phase, which that peer reports itself.
+KNOWN = (ConfigError, CheckpointError, PlanError, AgreedError)
 
 
 def _write(path: Path, record: dict) -> None:
@@ -68,7 +73,8 @@ class RankRecord:
         if self.dir is None:
             return False
         _write(self.dir / f"rank{self.rank}.error",
-               {"type": type(exc).__name__, "message": str(exc), "known": known})
+               {"type": type(exc).__name__, "message": str(exc), "known": known,
+                "ranks": getattr(exc, "ranks", None)})  # who met an agreed error
         return known
 
 
@@ -88,7 +94,8 @@ def explain(report_dir: str, failed: dict[int, str | None]) -> list[str]:
     for rank in sorted(failed):
         error = _read(where / f"rank{rank}.error")
         if error is not None and error["known"]:
-            known.setdefault(error["message"], []).append(rank)
+            met = known.setdefault(error["message"], [])
+            met += [r for r in error.get("ranks") or [rank] if r not in met]
         elif failed[rank] == "SIGKILL":
             state = _read(where / f"rank{rank}.state")
             last = ("" if state is None else
@@ -103,6 +110,7 @@ def explain(report_dir: str, failed: dict[int, str | None]) -> list[str]:
         else:
             lines.append(f"rank {rank} exited with an error but no Python exception")
     for message, ranks in known.items():
+        ranks.sort()
         who = f"rank {ranks[0]}" if len(ranks) == 1 else \
             f"ranks {', '.join(map(str, ranks))}"
         lines.insert(0, f"{message} ({who})")

