@@ -106,3 +106,29 @@ def test_what_paraxis_cannot_place_is_refused_before_any_group(family, peft_conf
                             train={"steps": 1})
     assert reason in str(refused.value), refused.value
     assert not torch.distributed.is_initialized()
+
+
+def test_a_lora_run_resumes_through_paraxis_train(tmp_path):
+    """The checks before any rank read the checkpoint against the model the run builds,
+    wrapped by peft (its names): a LoRA run resumes, and its steps after the checkpoint
+    are those of the run that never stopped (metrics.jsonl's losses)."""
+    import json
+    import shutil
+
+    path = llama_config(tmp_path, LORA)
+    args = ["train", "--config", str(path), "parallelism.data=1", "train.steps=4",
+            "train.warmup_steps=1", "train.global_batch=4", "train.seq_length=32",
+            "train.checkpoint_every=2", "train.log_every=1", "data.max_bytes=200000",
+            "logging.wandb=false", "logging.progress=false"]
+    ckpt = tmp_path / "ckpt"
+    assert main([*args, f"train.checkpoint_dir={ckpt}"]) == 0
+    straight = [json.loads(line) for line in (ckpt / "metrics.jsonl").open()]
+    shutil.rmtree(ckpt / "step-00000004")  # as if the run had stopped after step 2
+    (ckpt / "latest").write_text("step-00000002")
+    (ckpt / "metrics.jsonl").unlink()
+    assert main([*args, f"train.checkpoint_dir={ckpt}"]) == 0
+    resumed = [json.loads(line) for line in (ckpt / "metrics.jsonl").open()]
+    losses = {m["step"]: m["loss"] for m in straight if "loss" in m}
+    again = {m["step"]: m["loss"] for m in resumed if "loss" in m}
+    assert sorted(again) == [3, 4] and all(again[s] == losses[s] for s in again), (
+        again, losses)
