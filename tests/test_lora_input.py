@@ -121,14 +121,24 @@ def test_a_lora_run_resumes_through_paraxis_train(tmp_path):
             "train.checkpoint_every=2", "train.log_every=1", "data.max_bytes=200000",
             "logging.wandb=false", "logging.progress=false"]
     ckpt = tmp_path / "ckpt"
-    assert main([*args, f"train.checkpoint_dir={ckpt}"]) == 0
+    assert train_here([*args, f"train.checkpoint_dir={ckpt}"]) == 0
     straight = [json.loads(line) for line in (ckpt / "metrics.jsonl").open()]
     shutil.rmtree(ckpt / "step-00000004")  # as if the run had stopped after step 2
     (ckpt / "latest").write_text("step-00000002")
     (ckpt / "metrics.jsonl").unlink()
-    assert main([*args, f"train.checkpoint_dir={ckpt}"]) == 0
+    assert train_here([*args, f"train.checkpoint_dir={ckpt}"]) == 0
     resumed = [json.loads(line) for line in (ckpt / "metrics.jsonl").open()]
     losses = {m["step"]: m["loss"] for m in straight if "loss" in m}
     again = {m["step"]: m["loss"] for m in resumed if "loss" in m}
     assert sorted(again) == [3, 4] and all(again[s] == losses[s] for s in again), (
         again, losses)
+
+
+def train_here(args):
+    """``paraxis train`` in this process; the launcher's environment (its report
+    directory, removed when it returns) is not left to the worlds later tests start."""
+    import os
+    from unittest import mock
+
+    with mock.patch.dict(os.environ):
+        return main(args)
