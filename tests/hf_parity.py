@@ -57,16 +57,30 @@ def reference_order(count, microbatches, batch=BATCH):
             for j in range(size)]
 
 
+def with_lora(model, lora):
+    """``model`` wrapped by peft's LoRA (``lora``: LoraConfig's arguments), A and B both
+    drawn from one seed: peft's zero B would leave every A's first gradient zero, and the
+    comparison would check nothing there. Every run starts from the same adapters."""
+    from peft import LoraConfig, get_peft_model
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(11)
+        return get_peft_model(model, LoraConfig(init_lora_weights=False, **lora))
+
+
 def train(family, degrees, overrides, steps, options, order=None, seq=SEQ, batch=BATCH,
-          recipe=None):
+          recipe=None, lora=None):
     """Train ``steps`` steps of ``batch`` sequences of ``seq`` tokens; returns per-step
     (loss, grad_norm, router loss or None, correction biases or None, model-state bytes
     or None, data-axis bytes), an eval loss and shards. ``order`` permutes each global
     batch's samples first; ``recipe`` adds to the train section (precision, optimizer),
-    and the first step's gradients are taken in its precision."""
+    and the first step's gradients are taken in its precision; ``lora`` (LoraConfig's
+    arguments) trains the model's peft LoRA adapters instead (:func:`with_lora`)."""
     config = ParallelConfig.from_kwargs(**degrees, **options)
     model = build_debug_model(family, **overrides)
     vocab = model.config.vocab_size
+    if lora is not None:
+        model = with_lora(model, lora)
     recipe = recipe or {}
     engine = paraxis.parallelize(model, config=config, train={
         "steps": steps, "lr": LR, "warmup_steps": 2, "seq_length": seq, **recipe})
@@ -98,7 +112,7 @@ def train(family, degrees, overrides, steps, options, order=None, seq=SEQ, batch
 
 
 def compare(worlds, family, degrees, *, overrides=None, steps=8, seq=SEQ, batch=BATCH,
-            recipe=None, rtol=None, **options):
+            recipe=None, rtol=None, lora=None, worker=None, **options):
     """Run ``degrees`` and one process on ``family`` (``batch`` sequences of ``seq``
     tokens per step), both with ``recipe`` (train options); assert parity; return the
     runs.
@@ -108,7 +122,11 @@ def compare(worlds, family, degrees, *, overrides=None, steps=8, seq=SEQ, batch=
     Tolerances follow ``train.precision`` (:func:`tolerances`) unless ``rtol`` is given
     for every check. Weights are compared after fp32 Adam steps, and after SGD steps
     (``optimizer: sgd``) in any precision, relative to how far they moved; a ``compile``
-    in the recipe applies to the parallel run only (the reference is eager)."""
+    in the recipe applies to the parallel run only (the reference is eager). ``lora``
+    (LoraConfig's arguments) runs both sides on the same peft LoRA model: the gradients
+    compared are the adapters' (what the optimizer steps), the weights all of them (the
+    frozen ones must not move). ``worker`` runs the parallel side instead of
+    :func:`train` (same arguments): a planted bug's."""
     recipe = recipe or {}
     reference_recipe = {k: v for k, v in recipe.items() if k != "compile"}
     overrides = overrides or {}
@@ -118,13 +136,14 @@ def compare(worlds, family, degrees, *, overrides=None, steps=8, seq=SEQ, batch=
     order = reference_order(config.sample_shards, config.schedule.microbatches, batch)
     order = None if order == sorted(order) else order
     key = (family, repr(sorted(overrides.items())), steps, repr(sorted(single.items())),
-           repr(order), seq, batch, repr(sorted(reference_recipe.items())))
+           repr(order), seq, batch, repr(sorted(reference_recipe.items())),
+           repr(sorted((lora or {}).items())))
     if key not in _REFERENCES:  # layouts sharing a reference run it once per session
         _REFERENCES[key] = worlds.run(1, train, family, {}, overrides, steps, single,
-                                      order, seq, batch, reference_recipe)[0]
+                                      order, seq, batch, reference_recipe, lora)[0]
     ref_history, ref_eval, ref_shards, ref_grads = _REFERENCES[key]
-    out = worlds.run(config.world_size, train, family, degrees, overrides, steps, options,
-                     None, seq, batch, recipe)
+    out = worlds.run(config.world_size, worker or train, family, degrees, overrides, steps,
+                     options, None, seq, batch, recipe, lora)
     precision = recipe.get("precision", "fp32")
     sgd = recipe.get("optimizer") == "sgd"
     initial, logit_rms, tokens = (_start(family, overrides, seq, batch)

@@ -17,7 +17,7 @@ and the config's and generation config's ``bos/eos/pad_token_id`` are set from i
 says 1 and 2 whatever the tokenizer). A run on ``bytes`` has no tokenizer to copy; its
 documents ended with byte 0, which becomes the EOS (no BOS, no pad). The tokenizer step
 (:func:`token_source`, :func:`set_token_ids`, :func:`write_tokenizer`) is shared by any
-other writer of a run's weights (a LoRA adapter directory, ``--adapter``, later).
+other writer of a run's weights (a LoRA adapter directory, ``--adapter``).
 """
 
 from __future__ import annotations
@@ -124,12 +124,37 @@ def write_tokenizer(source: TokenSource, out: str | Path) -> None:
 
 
 def export_hf(ckpt: str | Path, out: str | Path, *, max_shard_size: str | int = "2GB",
-              verify: bool = True, tokenizer: str | None = None) -> tuple[Path, TokenSource]:
+              verify: bool = True, tokenizer: str | None = None,
+              adapter: bool = False) -> tuple[Path, TokenSource]:
     """Write checkpoint ``ckpt`` (a step directory, or its parent with ``latest``) as a
     ``save_pretrained`` directory ``out`` with the run's tokenizer (``tokenizer``
-    overrides the one the run named); returns ``out`` and what was written of it."""
+    overrides the one the run named); returns ``out`` and what was written of it.
+
+    A LoRA run's checkpoint (peft's adapters, :mod:`paraxis_hf.lora`) is written with the
+    adapters merged into the base weights (``merge_and_unload``: a plain model), or, with
+    ``adapter``, as peft's adapter directory (``adapter_config.json`` and
+    ``adapter_model.safetensors``) that ``PeftModel.from_pretrained(base, out)`` loads on
+    the base model the run started from."""
     index, tensors = read_model_tensors(ckpt, verify=verify)
     model = _model_from(index, str(ckpt))
+    peft = index.get("peft_config")
+    if peft:
+        model = _peft_model(model, peft, index)
+    elif adapter:
+        raise CheckpointError(f"{ckpt} holds no LoRA adapters (no peft_config in its "
+                              "index): export it without --adapter")
+    _load(model, tensors, str(ckpt))
+    source = token_source(index, tokenizer)
+    if peft and not adapter:  # B A * scaling added into each base weight
+        model = model.merge_and_unload()
+    set_token_ids(model.get_base_model() if adapter else model, source)
+    model.save_pretrained(str(out), **({} if adapter else {"max_shard_size": max_shard_size}))
+    write_tokenizer(source, out)
+    return Path(out), source
+
+
+def _load(model: nn.Module, tensors: dict[str, torch.Tensor], ckpt: str) -> None:
+    """Every tensor of the checkpoint into ``model``'s parameter of that name."""
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     tensors = _join_parts(tensors, shapes)
     with torch.no_grad():
@@ -144,18 +169,30 @@ def export_hf(ckpt: str | Path, out: str | Path, *, max_shard_size: str | int = 
                 raise CheckpointError(f"{ckpt}: {name} has shape {list(t.shape)}, the "
                                       f"model's is {list(shapes[name])}")
             params[name].copy_(t)
-    source = token_source(index, tokenizer)
-    set_token_ids(model, source)
-    model.save_pretrained(str(out), max_shard_size=max_shard_size)
-    write_tokenizer(source, out)
-    return Path(out), source
+
+
+def _peft_model(model: nn.Module, configs: dict[str, Any], index: dict[str, Any]) -> Any:
+    """``model`` wrapped by peft as the run's was (its adapter configs, recorded in the
+    checkpoint's index), its base recorded as the run's ``model.pretrained``."""
+    try:
+        from peft import PeftConfig, get_peft_model
+    except ImportError:
+        raise CheckpointError("the checkpoint holds LoRA adapters; exporting them needs "
+                              "peft: pip install 'paraxis-hf[peft]'") from None
+    (name, found), = configs.items()
+    config = PeftConfig.from_peft_type(**found)
+    config.inference_mode = False
+    pretrained = (index.get("parallel_config") or {}).get("model", {}).get("pretrained")
+    config.base_model_name_or_path = pretrained or config.base_model_name_or_path
+    return get_peft_model(model, config, adapter_name=name)
 
 
 def _cmd(args: argparse.Namespace) -> int:
     """Write a checkpoint as a Hugging Face save_pretrained directory."""
     try:
         path, source = export_hf(args.ckpt, args.out, max_shard_size=args.max_shard_size,
-                                 verify=not args.no_verify, tokenizer=args.tokenizer)
+                                 verify=not args.no_verify, tokenizer=args.tokenizer,
+                                 adapter=args.adapter)
     except (CheckpointError, OSError) as exc:
         print(f"paraxis checkpoint export-hf: {exc}", file=sys.stderr)
         return 1
@@ -164,7 +201,9 @@ def _cmd(args: argparse.Namespace) -> int:
     ids = ", ".join(f"{k.removesuffix('_token_id')} {v}" for k, v in (source.ids or {}).items())
     with_tok = f" with its tokenizer ({ids})" if source.directory else \
         f" (token ids: {ids})" if ids else ""
-    print(f"wrote {path}{with_tok} (AutoModelForCausalLM.from_pretrained({str(path)!r}))")
+    load = (f"PeftModel.from_pretrained(base, {str(path)!r})" if args.adapter
+            else f"AutoModelForCausalLM.from_pretrained({str(path)!r})")
+    print(f"wrote {path}{with_tok} ({load})")
     return 0
 
 
@@ -180,4 +219,8 @@ def add_export_command(verbs: Any) -> None:
     cmd.add_argument("--tokenizer", default=None,
                      help="the tokenizer directory to write with it (default: the run's "
                           "data.tokenizer, when it is a directory)")
+    cmd.add_argument("--adapter", action="store_true",
+                     help="a LoRA run: write its adapters as a peft adapter directory "
+                          "(adapter_config.json, adapter_model.safetensors) instead of "
+                          "the model with the adapters merged")
     cmd.set_defaults(func=_cmd)

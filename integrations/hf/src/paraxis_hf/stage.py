@@ -29,7 +29,10 @@ class HFStageCalls:
         return type(model).forward(model, **kwargs).logits
 
     def hidden(self, model: nn.Module, **kwargs: Any) -> torch.Tensor:
-        base = getattr(model, self.prefix, None)
+        try:  # a dotted path under a wrapper (peft's base_model.model.model)
+            base = model.get_submodule(self.prefix)
+        except AttributeError:
+            base = None
         if base is None:
             raise PlanError(f"{type(model).__name__} has no base model "
                             f"{self.prefix!r} to run a pipeline stage's layers")

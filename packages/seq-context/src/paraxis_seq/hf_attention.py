@@ -169,16 +169,15 @@ def interceptable(model: nn.Module, anatomy: Anatomy | None = None) -> str | Non
     interface and nothing else mixes the sequence (its ``anatomy`` says which modules
     do; found here if not given); else the reason it cannot be made context parallel by
     :func:`use_context_attention`."""
-    from transformers import PreTrainedModel
-
-    if not isinstance(model, PreTrainedModel):
+    wrapped = transformers_model(model)
+    if wrapped is None:
         return (f"{type(model).__name__} is not a transformers PreTrainedModel; call "
                 "paraxis_seq.ring_attention or ulysses_attention from its attention")
-    for m in _inline_models(model):
+    for m in _inline_models(wrapped):
         reason = inline_reason(m)
         if reason is not None:
             return reason
-    cfg = model.config
+    cfg = wrapped.config
     others = _sub_models(cfg)
     if others:
         return (f"sub-models {others} would run the context-parallel attention on inputs "
@@ -226,6 +225,18 @@ def _biased_attention(model: nn.Module, anatomy: Anatomy) -> str | None:
             return (f"{type(held[name]).__name__} ({name}) passes position_bias= to the "
                     "attention function: " + _UNSUPPORTED_KWARGS["position_bias"])
     return None
+
+
+def transformers_model(model: nn.Module) -> nn.Module | None:
+    """``model`` if it is a transformers model, else the one a wrapper holds (peft's
+    LoRA model: adapters beside its linear layers, the attention still transformers'):
+    the outermost transformers model in its tree, when every other lies inside it."""
+    from transformers import PreTrainedModel
+
+    found = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
+    if not found or any(all(m is not x for x in found[0].modules()) for m in found):
+        return None
+    return found[0]
 
 
 def _sub_models(cfg: Any) -> list[str]:
@@ -285,6 +296,7 @@ def use_context_attention(model: nn.Module, group: Any, *, anatomy: Anatomy | No
     name = f"paraxis_{mode}"
     function = attention_function(group, mode=mode, layout=layout, documents=documents)
     AttentionInterface.register(name, function)
+    model = transformers_model(model) or model  # under a wrapper (peft), its own model
     if _inline_models(model):  # the adapters call it (paraxis_seq.hf_inline)
         install_inline(model, function)
         return name

@@ -20,6 +20,8 @@ Styles follow transformers' tensor-parallel plans:
 
 A plan entry naming a *parameter* (3-D expert weights, per-head sinks) shards that
 parameter (:data:`paraxis_tp.regions.PARAM_STYLES`); its module keeps its forward.
+A plan entry naming a LoRA layer (the anatomy's ``adapters``) splits its base layer and
+the adapter's matching side with it (:mod:`paraxis_tp.adapters`).
 
 Any ``nn.Linear`` / ``nn.Embedding``, subclasses included, is sharded in place: its own
 forward still runs (see :mod:`paraxis_tp.layers`). Modules a pipeline stage does not own
@@ -56,6 +58,7 @@ from paraxis.parallel.placement import placement_of, set_placement
 from paraxis.parallel.standins import Absent
 from paraxis.runtime.differentiable import copy_to
 from paraxis.runtime.grid import AxisGroup
+from paraxis_tp.adapters import shard_column_adapter, shard_row_adapter
 from paraxis_tp.cross_entropy import VocabParallelLoss
 from paraxis_tp.layers import (
     gather_tokens,
@@ -167,8 +170,12 @@ def apply_tensor_plan(model: nn.Module, plan: ModelPlan, anatomy: Anatomy, group
             _apply_other(model, name, style, group, sp, blocks=parents_with_rows)
             out.replaced[name] = style
         elif style in COLUMN:
-            _check_type(name, module, style, nn.Linear)
-            is_logits = module is output_embedding
+            adapter = anatomy.adapter_of(name)
+            if adapter is None:
+                _check_type(name, module, style, nn.Linear)
+            # The head, or a copy of it a wrapper holds (peft's modules_to_save)
+            is_logits = output_embedding is not None and any(
+                module is m for m in output_embedding.modules())
             parent = name.rpartition(".")[0]
             in_block = parent in parents_with_rows
             if in_block:
@@ -188,21 +195,33 @@ def apply_tensor_plan(model: nn.Module, plan: ModelPlan, anatomy: Anatomy, group
                 entry = None if in_block else OverlappedEntry(group)
                 (fused.setdefault(parent, OverlappedEntry(group)) if in_block
                  else entry).add(module)
-            shard_column(module, group, memo, parts=2 if style == "packed_colwise" else 1,
-                         padded=padded, gather_output=gather, enter=entry)
+            column = {"parts": 2 if style == "packed_colwise" else 1, "padded": padded,
+                      "gather_output": gather, "enter": entry}
+            if adapter is not None:  # B split with the base, A whole (paraxis_tp.adapters)
+                out.partial_params += shard_column_adapter(model, adapter, group, memo,
+                                                           style=style, rng=rng, **column)
+            else:
+                shard_column(module, group, memo, **column)
             if in_block and not gather:
                 split_blocks.add(parent)
             if is_logits:
                 out.loss = VocabParallelLoss(start=group.rank * module.out_features,
                                              vocab=vocab, group=group)
         elif style in ROW:
-            _check_type(name, module, style, nn.Linear)
+            adapter = anatomy.adapter_of(name)
+            if adapter is None:
+                _check_type(name, module, style, nn.Linear)
             # A row-parallel head (Inkling's rowwise_split_input) gets the gathered
             # sequence (shard_sequence) and all-reduces the logits, never scatters them.
             head = module is output_embedding
-            shard_row(module, group, memo, split_input=style == "rowwise_split_input",
-                      sequence_parallel=sp and not head, on_enter=rng.exit,
-                      overlap=overlap and not head and eligible(module))
+            row = {"split_input": style == "rowwise_split_input",
+                   "sequence_parallel": sp and not head, "on_enter": rng.exit}
+            if adapter is not None:  # A split with the base, B whole (paraxis_tp.adapters)
+                out.partial_params += shard_row_adapter(model, adapter, group, memo,
+                                                        style=style, **row)
+            else:
+                shard_row(module, group, memo, **row,
+                          overlap=overlap and not head and eligible(module))
         elif style == "embedding_rowwise":
             _check_type(name, module, style, nn.Embedding)
             shard_embedding(module, group, memo,

@@ -116,17 +116,23 @@ def map_first_input(fn: Callable[[Any], Any], args: tuple, kwargs: dict,
     raise ValueError("cannot find the hidden-state input of a tensor-parallel module")
 
 
-def shard_column(linear: nn.Linear, group: AxisGroup, memo: dict[int, nn.Parameter], *,
+def shard_column(linear: nn.Module, group: AxisGroup, memo: dict[int, nn.Parameter], *,
                  parts: int = 1, padded: int | None = None, gather_output: bool = False,
-                 enter: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 enter: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 holders: tuple[nn.Module, ...] = ()) -> None:
+    """``holders``: the modules whose per-output-feature parameters are split, when they
+    are not ``linear`` itself (a LoRA layer: its base layer and its up projection B,
+    :mod:`paraxis_tp.adapters`); the hooks go on ``linear``, whose forward sums them."""
     real_out = linear.out_features
     # The weight, the bias, and any parameter a subclass keeps per output feature (Dory's
     # head scales each logit): the module's own forward applies them to its local slice.
-    for name, param in list(linear._parameters.items()):
-        if param is not None and param.ndim >= 1 and param.shape[0] == real_out:
-            linear._parameters[name] = sharded_parameter(param, group, memo, parts=parts,
-                                                         padded=padded)
-    linear.out_features = linear.weight.shape[0]
+    for holder in holders or (linear,):
+        for name, param in list(holder._parameters.items()):
+            if param is not None and param.ndim >= 1 and param.shape[0] == real_out:
+                holder._parameters[name] = sharded_parameter(param, group, memo,
+                                                             parts=parts, padded=padded)
+        holder.out_features = holder.weight.shape[0]
+    linear.out_features = (holders or (linear,))[0].weight.shape[0]
     if enter is not None:
         linear.register_forward_pre_hook(
             lambda m, args, kwargs: map_first_input(enter, args, kwargs), with_kwargs=True)
@@ -138,11 +144,19 @@ def shard_column(linear: nn.Linear, group: AxisGroup, memo: dict[int, nn.Paramet
     linear.paraxis_tensor = "column (gathered)" if gather_output else "column"
 
 
-def shard_row(linear: nn.Linear, group: AxisGroup, memo: dict[int, nn.Parameter], *,
+def shard_row(linear: nn.Module, group: AxisGroup, memo: dict[int, nn.Parameter], *,
               split_input: bool = False, sequence_parallel: bool = False,
-              on_enter: Callable[[], None] | None = None, overlap: bool = False) -> None:
-    linear.weight = sharded_parameter(linear.weight, group, memo, dim=1)
-    linear.in_features = linear.weight.shape[1]
+              on_enter: Callable[[], None] | None = None, overlap: bool = False,
+              holders: tuple[nn.Module, ...] = ()) -> None:
+    """``holders``: the modules whose input features are split, when they are not
+    ``linear`` itself (a LoRA layer: its base layer, whose bias is the one added after
+    the sum, and its down projection A, :mod:`paraxis_tp.adapters`); the hooks go on
+    ``linear``, whose forward adds up their partial sums before the one reduction."""
+    for holder in holders or (linear,):
+        holder.weight = sharded_parameter(holder.weight, group, memo, dim=1)
+        holder.in_features = holder.weight.shape[1]
+    base = (holders or (linear,))[0]
+    linear.in_features = base.weight.shape[1]
     if overlap:  # its forward reduce-scatters, pipelined with the GEMM
         overlap_row(linear, group)
 
@@ -150,9 +164,9 @@ def shard_row(linear: nn.Linear, group: AxisGroup, memo: dict[int, nn.Parameter]
         if on_enter is not None:
             on_enter()
         # The bias is added once, after the sum: the module's forward runs without it.
-        module._paraxis_bias = module._parameters.get("bias")
+        module._paraxis_bias = base._parameters.get("bias")
         if module._paraxis_bias is not None:
-            module._parameters["bias"] = None
+            base._parameters["bias"] = None
         if split_input:
             return map_first_input(lambda x: split(x, group, dim=-1), args, kwargs)
         return args, kwargs
@@ -160,7 +174,7 @@ def shard_row(linear: nn.Linear, group: AxisGroup, memo: dict[int, nn.Parameter]
     def post(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
         bias = module._paraxis_bias
         if bias is not None:
-            module._parameters["bias"] = bias
+            base._parameters["bias"] = bias
         if not overlap:
             out = scatter_tokens(out, group) if sequence_parallel else reduce_from(out, group)
         return out if bias is None else out + bias

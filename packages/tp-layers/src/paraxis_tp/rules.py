@@ -74,17 +74,22 @@ def _check_overlap(config: ParallelConfig) -> list[Problem]:
     return []
 
 
-def check_split_widths(model: nn.Module, plan: Any, t: int) -> list[Problem]:
+def check_split_widths(model: nn.Module, plan: Any, t: int,
+                       anatomy: Any = None) -> list[Problem]:
     """Every linear layer the tensor plan splits without padding must split evenly over
     ``t`` ranks: a column (or each packed block) its output features, a row its input
     features. The model shape's rules cover the dense widths (``intermediate_size``...);
     this finds the others, such as a shared expert's FFN, by module, one problem per
-    plan entry, before any process group."""
+    plan entry, before any process group. A LoRA layer (``anatomy.adapters``) is checked
+    by its base layer, which is what is split."""
     if t == 1 or plan is None:
         return []
     found: dict[str, Problem] = {}
     for name, module in model.named_modules():
         style = plan.tensor_style(name)
+        adapter = anatomy.adapter_of(name) if anatomy is not None else None
+        if adapter is not None:
+            module = model.get_submodule(adapter.base)
         if style not in _UNPADDED or not isinstance(module, nn.Linear):
             continue
         attr, parts = _UNPADDED[style]

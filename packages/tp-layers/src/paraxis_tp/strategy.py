@@ -130,7 +130,7 @@ class TensorParallelStrategy(Strategy):
                     anatomy: Anatomy) -> list[Problem]:
         """Linear layers the plan splits whose width the degree does not divide (a
         shared expert's FFN, say), named before any process group."""
-        return check_split_widths(model, plan, config.parallelism.tensor)
+        return check_split_widths(model, plan, config.parallelism.tensor, anatomy)
 
     def apply(self, model: nn.Module, ctx: ApplyContext) -> nn.Module:
         plan = ctx.plan
@@ -165,8 +165,10 @@ class TensorParallelStrategy(Strategy):
         ctx.rng_streams["tensor_parallel"] = out.rng
         mark_partial(out.partial_params)
         seen = {id(p) for p in out.partial_params}
+        # A frozen parameter has no gradient to sum (DESIGN section 10): not a candidate.
         candidates = [p for chunk in chunks_of(model) for p in chunk.parameters()
-                      if "tensor" in placement_of(p).replicated and id(p) not in seen]
+                      if "tensor" in placement_of(p).replicated and id(p) not in seen
+                      and p.requires_grad]
         if out.partial_params or candidates:
             ctx.grad_syncs.append(PartialGradSync(out.partial_params, group, candidates))
         ctx.extras["tensor_parallel"] = out

@@ -139,6 +139,7 @@ class ShardedUnit:
         self.flats = [self._shard(layout, fill, device) for layout in layouts]
         self.params = [p for f in self.flats for p in f.layout.params]
         self.trainable = [p for f in self.flats if f.trainable for p in f.layout.params]
+        self.all_trainable = all(f.trainable for f in self.flats)
         self.state = SHARDED
         self.dtype: torch.dtype | None = None  # what the unit is gathered in
         self.ready: set[int] = set()

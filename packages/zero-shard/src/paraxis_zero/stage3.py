@@ -148,6 +148,10 @@ class ShardedParameters(SyncSwitch):
                           for p in self._unit_of]
         self._next = 0  # next unit (backward order) whose reduce-scatter may start
         self._released = 0  # units before it (backward order) hold no send buffer
+        # Units holding frozen weights, gathered until the next unit's backward starts:
+        # their last trainable gradient is not the end of their backward (a LoRA base
+        # layer's or a norm's frozen weight still computes the input's gradient after).
+        self._frozen_done: list[ShardedUnit] = []
 
     def optimizer_params(self) -> list[nn.Parameter]:
         return [p for u in self.units for p in u.trainable] + self.whole_params
@@ -223,6 +227,11 @@ class ShardedParameters(SyncSwitch):
     # ---- backward ---------------------------------------------------------------------
 
     def _pre_backward(self, unit: ShardedUnit) -> None:
+        # This unit's outputs have their gradients: every unit after it is done.
+        for done in self._frozen_done:
+            if done is not unit:
+                done.reshard()
+        self._frozen_done = [] if unit.all_trainable or self.keep else [unit]
         unit.gather(self.compute)
         if self.keep:
             unit.fold()
@@ -241,7 +250,8 @@ class ShardedParameters(SyncSwitch):
         if self.sync:
             unit.prepare_reduce()
             self._launch_ready()
-        unit.reshard()
+        if unit.all_trainable:  # else at the next unit's backward (_pre_backward)
+            unit.reshard()
 
     def _launch_ready(self) -> None:
         order = self._backward_order
@@ -267,6 +277,7 @@ class ShardedParameters(SyncSwitch):
             if self.keep:  # its whole gradients are gone: free the unit too
                 unit.reshard()
         self._next = self._released = 0
+        self._frozen_done = []
         start = time.perf_counter()
         for unit in self._backward_order:
             unit.ready.clear()

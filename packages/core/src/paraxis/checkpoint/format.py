@@ -86,6 +86,9 @@ def build_index(state: TrainState, gathered: list[Any]) -> dict[str, Any]:
         model_cfg = dict(model_cfg.__dict__)
     opt_groups = [{k: v for k, v in g.items() if k != "params"}
                   for g in state.optimizer.param_groups]
+    # A peft model's adapter configs (a LoRA run's r, alpha, targets): export-hf rebuilds
+    # the wrapper from them to merge the adapters or write them as peft's directory.
+    adapters = getattr(state.model, "peft_config", None)
     return {
         "format": "paraxis-checkpoint",
         "format_version": FORMAT_VERSION,
@@ -93,6 +96,8 @@ def build_index(state: TrainState, gathered: list[Any]) -> dict[str, Any]:
                      "python": platform.python_version()},
         "parallel_config": state.config.model_dump(mode="json"),
         "model_config": json.loads(json.dumps(model_cfg, default=str)),
+        "peft_config": {name: json.loads(json.dumps(c.to_dict(), default=_listed))
+                        for name, c in adapters.items()} if isinstance(adapters, dict) else None,
         "grid": {"degrees": layout.degrees, "world_size": layout.size,
                  "coords": [layout.coords(r) for r in range(layout.size)]},
         "step": state.step,
@@ -104,6 +109,11 @@ def build_index(state: TrainState, gathered: list[Any]) -> dict[str, Any]:
         "files": {filename: digest for filename, _, _, digest in gathered},
         "tensors": tensors,
     }
+
+
+def _listed(obj: Any) -> Any:
+    """JSON for what ``json`` cannot write: a set (peft's target modules) as a sorted list."""
+    return sorted(obj) if isinstance(obj, (set, frozenset)) else str(obj)
 
 
 def _state_of(obj: Any) -> Any:

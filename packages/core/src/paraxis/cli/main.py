@@ -20,6 +20,7 @@ from paraxis.engine.precision import precision_problems
 from paraxis.engine.resolve import resolve
 from paraxis.parallel.optimizers import optimizer_problems
 from paraxis.planner.cli import add_plan_parser
+from paraxis.train.build import lora_problems
 from paraxis.train.data import check_data, load_tokenizer
 from paraxis.train.launcher import add_launch_arguments
 from paraxis.train.lifecycle import LOCK_ENV, DirectoryLock, LockedError, die_with_parent
@@ -43,7 +44,7 @@ def _load_checked(args: argparse.Namespace) -> RunConfig:
     missing = resolve(config, pm, has_experts=bool(model and model.num_experts)).missing
     data = check_data(config)
     extra = [*config.check_run(), *missing, *data, *optimizer_problems(config.train, config),
-             *precision_problems(config.train)]
+             *precision_problems(config.train), *lora_problems(config, pm)]
     if "RANK" not in os.environ and not any(p.field == "data.tokenizer" for p in data):
         # Before any rank starts: the pretrained weights and the checkpoint resumed from
         # against the run's model (a rank under torchrun alone meets them when it loads).
@@ -163,7 +164,8 @@ def _dry_run(config: RunConfig, args: argparse.Namespace) -> int:
     pm = make_plugin_manager()
 
     def build() -> object:  # as the run builds it (train.loop.start), deferred
-        return build_model(spec, pm, seed=config.train.seed, deferred=True)
+        return build_model(spec, pm, seed=config.train.seed, deferred=True,
+                           lora=config.lora)
 
     return train_dry_run(config, build=build, as_json=args.json)
 

@@ -56,15 +56,17 @@ def saved_model_config(cfg: RunConfig) -> dict[str, Any]:
     return saved if isinstance(saved, dict) else {}
 
 
-def meta_model(cfg: RunConfig, plugin_manager: Any, vocab_size: int) -> nn.Module:
+def meta_model(cfg: RunConfig, plugin_manager: Any, vocab_size: int,
+               lora: Any = None) -> nn.Module:
     """The run's model as a rank builds it (:func:`paraxis.train.build.build_model`,
-    deferred), every parameter on the meta device, each with its replicated placement
-    record (the global names and shapes a checkpoint holds)."""
+    deferred; with ``lora``, the run's ``lora`` section, wrapped as it is), every
+    parameter on the meta device, each with its replicated placement record (the global
+    names and shapes a checkpoint holds)."""
     from paraxis.train.build import build_model, model_spec
 
     with torch.device("meta"):  # a family built whole allocates nothing either
         model = build_model(model_spec(cfg, vocab_size), plugin_manager,
-                            seed=cfg.train.seed, deferred=True)
+                            seed=cfg.train.seed, deferred=True, lora=lora)
     record_replicated(model, cfg.axis_table)
     return model
 
@@ -107,10 +109,14 @@ def model_problems(cfg: RunConfig, plugin_manager: Any, vocab_size: Callable[[],
                 f"{'; '.join(wrong[:4])}{more}", "give this model's weights, or set "
                 "model.config to the saved model's shape"))
     if index is not None and step is not None:
-        try:
+        try:  # a LoRA run's checkpoint holds the names peft gives (issue 34)
+            if cfg.lora is not None:
+                model = meta_model(cfg, plugin_manager, vocab_size(), cfg.lora)
             check_model(index, model, step)
         except CheckpointError as exc:
             problems.append(_checkpoint_problem(cfg, str(exc)))
+        except ConfigError:  # a lora section that cannot apply: lora_problems says why
+            pass
     return problems
 
 

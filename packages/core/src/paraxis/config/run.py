@@ -14,12 +14,13 @@ from typing import Any, Literal
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt, model_validator
 
 from paraxis.config.errors import Problem
+from paraxis.config.lora import LoraSection
 from paraxis.config.parallel import ParallelConfig, _Section
 from paraxis.config.reporting import LoggingSection, ProfileWindow
 from paraxis.config.text import apply_overrides, read_config
 
-__all__ = ["DataSection", "EvalData", "LoggingSection", "LossScaling", "ModelSection",
-           "ProfileWindow", "RunConfig", "TrainSection"]
+__all__ = ["DataSection", "EvalData", "LoggingSection", "LoraSection", "LossScaling",
+           "ModelSection", "ProfileWindow", "RunConfig", "TrainSection"]
 
 
 class ModelSection(_Section):
@@ -198,6 +199,7 @@ class RunConfig(ParallelConfig):
     train: TrainSection = TrainSection()
     data: DataSection = DataSection()
     logging: LoggingSection = LoggingSection()
+    lora: LoraSection | None = None  # adapters through peft (paraxis.config.lora)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], overrides: Sequence[str] = (),

@@ -23,6 +23,7 @@ from paraxis.config.run import TrainSection
 from paraxis.config.shape import ModelShape
 from paraxis.engine.compile import backend_of, compile_layers, graph_breaks
 from paraxis.engine.engine import Engine
+from paraxis.engine.lora import with_lora
 from paraxis.engine.masks import MaskSupport, measure_masks
 from paraxis.engine.optim import WarmupCosine
 from paraxis.engine.plugins import axis_table, make_plugin_manager
@@ -134,6 +135,7 @@ def parallelize(
     (``plan`` or the first plugin that knows the model), and every axis applied in
     phase order. ``train`` holds the optimizer, schedule and clipping settings
     (:class:`paraxis.config.run.TrainSection`); ``optimizer`` replaces the default AdamW.
+    A run config's ``lora`` section wraps ``model`` first (:mod:`paraxis.engine.lora`).
     """
     pm = plugin_manager or make_plugin_manager()
     if config is not None and options:
@@ -145,6 +147,7 @@ def parallelize(
                                             microbatches=microbatches, **options)
     config = config.with_axes(axis_table(pm))
     train_cfg = train if isinstance(train, TrainSection) else TrainSection(**(train or {}))
+    model = with_lora(model, config, pm)  # a run config's lora: section (engine.lora)
     checked = preflight(model, config, train=train_cfg, plan=plan, model_shape=model_shape,
                         plugin_manager=pm, optimizer=optimizer)
     model_shape, model_plan = checked.shape, checked.plan

@@ -19,16 +19,14 @@ A module that is not a transformers model can declare its anatomy itself: a meth
 from __future__ import annotations
 
 import fnmatch
-import functools
-import inspect
 import re
-import types
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
-from paraxis.parallel.model_plan import ModelPlan, PlanError
+from paraxis.parallel.code_reading import class_calls
+from paraxis.parallel.model_plan import Adapter, ModelPlan, PlanError
 from paraxis.parallel.standins import SkipLayer, stands_in
 
 __all__ = ["Anatomy", "LayerParts", "class_calls", "expert_blocks", "find_anatomy", "is_norm",
@@ -121,6 +119,8 @@ class Anatomy:
     # scan, linear-attention recurrence or causal convolution runs through such functions
     # (``mamba2_chunk_scan``), which an axis cutting the sequence wraps (issue 35).
     mixer_calls: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # Low-rank adapters beside base linear layers (the plan's: a peft LoRA model's)
+    adapters: tuple[Adapter, ...] = ()
     # Where the layers and the modules around them were read: "declared" (the model's
     # own paraxis_anatomy), "plan" (the pipeline plan), "search" (the fallbacks), or
     # "none: <why>" when no list of layers was found.
@@ -158,6 +158,10 @@ class Anatomy:
         """The token embedding, or None where ``model`` (a stage) does not hold it."""
         return _held(model, self.embedding)
 
+    def adapter_of(self, module: str) -> Adapter | None:
+        """The adapter that ``module`` (a full name) computes beside its base, if any."""
+        return next((a for a in self.adapters if a.module == module), None)
+
     def sequence_mixers_of(self, index: int) -> tuple[str, ...]:
         """Full names of layer ``index``'s children that mix the sequence."""
         return tuple(f"{self.layer_name(index)}.{c}" for c in self.parts[index].sequence_mixers)
@@ -168,21 +172,6 @@ class Anatomy:
                 f"at {self.layers}, head {self.head}{tied}; {len(self.expert_blocks)} "
                 f"expert blocks, {len(self.mixers)} other sequence mixers (from: "
                 f"{self.origin})")
-
-
-@functools.cache
-def class_calls(cls: type) -> tuple[str, ...]:
-    """The module-level functions the methods of ``cls`` and its bases (short of
-    ``nn.Module``) call by name, decorators unwrapped: read from the code, not names."""
-    bases = [b for b in inspect.getmro(cls) if b not in inspect.getmro(nn.Module)]
-    codes = [(f.__code__, f.__globals__) for b in bases for f in map(inspect.unwrap, [
-        m for m in vars(b).values() if inspect.isfunction(m)])]
-    found: set[str] = set()
-    while codes:  # nested functions' code objects too
-        code, scope = codes.pop()
-        codes += [(c, scope) for c in code.co_consts if isinstance(c, types.CodeType)]
-        found |= {n for n in code.co_names if inspect.isfunction(scope.get(n))}
-    return tuple(sorted(found))
 
 
 def _maybe(model: nn.Module, name: str | None) -> nn.Module | None:
@@ -295,6 +284,7 @@ def find_anatomy(model: nn.Module, plan: ModelPlan | None = None) -> Anatomy:
     mixing = {n for n in mixers if n and not f"{ends['layers']}.".startswith(f"{n}.")} | {
         f"{ends['layers']}.{i}.{c}" for i, p in enumerate(parts) for c in p.attention}
     calls = tuple((n, c) for n, m in modules if n in mixing and (c := class_calls(type(m))))
+    adapters = tuple(a for a in plan.adapters if _maybe(model, a.module) is not None)
     return Anatomy(model_class=plan.model_class, num_layers=len(layers), parts=parts,
                    tied=tied, expert_blocks=blocks, routed=routed, mixers=mixers,
-                   has_attention=attention, mixer_calls=calls, **ends)
+                   has_attention=attention, mixer_calls=calls, adapters=adapters, **ends)

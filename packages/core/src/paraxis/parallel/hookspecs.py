@@ -213,6 +213,31 @@ def paraxis_twin_model(model: Any, config: ParallelConfig) -> Any:
     """
 
 
+@hookspec(firstresult=True)
+def paraxis_apply_lora(model: Any, lora: Any) -> Any:
+    """``model`` with the low-rank adapters of ``lora`` (a
+    :class:`paraxis.config.lora.LoraSection`), every other weight frozen, or None if this
+    plugin does not adapt such models; raise :class:`paraxis.config.errors.ConfigError`
+    for a section the model cannot take (a target matching no module, a model already
+    wrapped by peft), one problem per line.
+
+    Called by the trainer (:func:`paraxis.train.build.build_model`) once the model is
+    built, before ``parallelize``; paraxis-hf answers through peft. firstresult.
+    """
+
+
+@hookspec(firstresult=True)
+def paraxis_lora_problems(config: Any) -> list[Problem] | None:
+    """What is wrong with ``config.lora`` (a run's config) for ``config.model``, found on
+    the model's structure alone (built on the meta device): each target that matches no
+    module, a model family the adapters cannot wrap. None if this plugin does not adapt
+    models (the caller then names the package to install).
+
+    Called by ``paraxis validate`` and ``paraxis train`` before any process starts, and
+    by the trainer before any process group. firstresult.
+    """
+
+
 @hookspec
 def paraxis_before_workers(config: Any) -> None:
     """Do once, before the workers exist, what each worker's copy of the plugin would do

@@ -15,11 +15,27 @@ from torch import nn
 
 from paraxis.config.errors import Problem
 
-__all__ = ["ModelPlan", "PlanError", "find_plan"]
+__all__ = ["Adapter", "ModelPlan", "PlanError", "find_plan"]
 
 
 class PlanError(ValueError):
     """A plan is missing, or names a module or style that does not exist."""
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A low-rank adapter beside a base linear layer (LoRA, Hu et al., arXiv:2106.09685):
+    ``module`` computes ``base(x) + up(down(dropout(x))) * scaling`` in its own forward.
+    Names are full module names; ``down`` is A (rank x in), ``up`` is B (out x rank).
+    The integration that knows the adapter library names them (paraxis-hf for peft);
+    an axis that splits ``module``'s base splits the adapter with it (DESIGN section 10,
+    "Trainable vs frozen")."""
+
+    module: str
+    base: str
+    down: str
+    up: str
+    dropout: str | None = None
 
 
 @dataclass(frozen=True)
@@ -42,6 +58,8 @@ class ModelPlan:
     # Layouts the plan's author knows this model cannot run, each with the reason: an
     # axis ("tensor", "context"...) or "sequence_parallel". Refused at parallelize.
     unsupported: dict[str, str] = field(default_factory=dict)
+    # Low-rank adapters (a peft LoRA model's), read by the anatomy (``Anatomy.adapters``).
+    adapters: tuple[Adapter, ...] = ()
 
     def refusals(self, config: Any) -> list[Problem]:
         """A :class:`Problem` for each layout of ``config`` (a ``ParallelConfig``) that

@@ -25,10 +25,10 @@ from paraxis.planner.efficiency import (
 from paraxis.planner.evaluate import Plan, evaluate, make_layout, problems
 from paraxis.planner.explain import explain
 from paraxis.planner.inputs import Hardware, Workload
-from paraxis.planner.model import ModelCounts, build_on_meta, load_model_source
+from paraxis.planner.model import ModelCounts
 from paraxis.planner.reasons import why_slower
 from paraxis.planner.report import format_plan, format_ranking, seed_sentence
-from paraxis.planner.run_checks import HEADROOM, dry_run_verdict, load_counts
+from paraxis.planner.run_checks import HEADROOM, dry_run_verdict, load_counts, run_builder
 from paraxis.planner.search import Ranking, search
 from paraxis.planner.svg import plan_svg
 from paraxis.planner.units import (
@@ -76,6 +76,10 @@ def add_plan_parser(sub: Any) -> None:
                    help="mixed: the ZeRO paper's 2+2+12 bytes per parameter; bf16/fp16: "
                         "paraxis's train.precision (fp32 master parameters, 2-byte "
                         "activations)")
+    p.add_argument("--lora-rank", type=int, help="plan a LoRA run: adapters of this rank, "
+                   "every other weight frozen (weights only: no gradient, no optimizer state)")
+    p.add_argument("--lora-targets", help="linear layers to adapt, by name, comma-separated "
+                   "(e.g. q_proj,v_proj); default: every linear layer of the layers")
     p.add_argument("--peak-flops", help="per device, e.g. 989e12 or 989T")
     p.add_argument("--bandwidth", help="intra=450GB/s,inter=50GB/s (bytes per second)")
     p.add_argument("--efficiency", default="h100", metavar="NAME|FILE",
@@ -251,7 +255,9 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     fixed = {a: getattr(args, a) for a in AXES if getattr(args, a) is not None}
     world, searching = _world(args, fixed)
-    counts, defaults = load_counts(args.model, args.seq)
+    targets = args.lora_targets.split(",") if args.lora_targets else None
+    counts, defaults = load_counts(args.model, args.seq, lora_rank=args.lora_rank,
+                                   lora_targets=targets)
     work = _workload(args, counts, defaults, world)
     ranking = None
     if searching:
@@ -262,11 +268,9 @@ def _run(args: argparse.Namespace) -> int:
         Path(args.svg).write_text(plan_svg(plan))
     run = None
     if args.dry_run:
-        from paraxis.engine.plugins import make_plugin_manager
         from paraxis.planner.dryrun import dry_run
 
-        source, pm = load_model_source(args.model), make_plugin_manager()
-        run = dry_run(plan, build=lambda: build_on_meta(source, pm))
+        run = dry_run(plan, build=run_builder(args.model, args.lora_rank, targets))
     if args.json:
         out = plan.to_json()
         if ranking is not None:

@@ -116,7 +116,8 @@ class Plan:
         out: dict[str, Any] = {
             "model": {"family": self.counts.family, "parameters": self.counts.total,
                       "non_embedding": self.counts.non_embedding,
-                      "layers": self.counts.num_layers, "tied": self.counts.tied},
+                      "layers": self.counts.num_layers, "tied": self.counts.tied,
+                      "trainable": self.counts.trainable, "lora_rank": self.counts.lora_rank},
             "config": self.config_dict(),
             "memory": {**worst.as_dict(), "stage": worst.stage, "fits": self.fits,
                        "device_memory": self.hardware.device_memory,

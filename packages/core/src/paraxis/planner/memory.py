@@ -58,8 +58,8 @@ TERMS = ("parameters", "gradients", "optimizer", "activations", "buffers")
 
 def model_state_bytes(dense: float, expert: float = 0.0, *, zero: int, n_dense: int,
                       n_expert: int = 1, precision: str = "mixed",
-                      optimizer_bytes: float | None = None,
-                      whole: float = 0.0) -> tuple[float, ...]:
+                      optimizer_bytes: float | None = None, whole: float = 0.0,
+                      trainable: float | None = None) -> tuple[float, ...]:
     """(weights, gradients, optimizer) bytes of one rank holding ``dense`` and ``expert``
     parameters, ZeRO stage ``zero`` over shard groups of ``n_dense`` / ``n_expert``
     ranks (``optimizer_bytes`` per parameter replaces Adam's K), and ``whole`` more
@@ -73,7 +73,9 @@ def model_state_bytes(dense: float, expert: float = 0.0, *, zero: int, n_dense: 
     experts and one rank kept all of it, which this function modelled). Dense matrices'
     padding (rows not a multiple of ``n``) is left out. Under HSDP
     (``parallelism.zero_shard``) ``n_dense`` and ``n_expert`` are the shard groups', not
-    the replicas'."""
+    the replicas'. ``trainable``: of ``dense``, the parameters with a gradient (a LoRA
+    run's adapters, :mod:`paraxis.planner.lora`); the others, ``whole`` too, are frozen:
+    weights only (DESIGN section 10)."""
     w, g, k = BYTES_PER_PARAM[precision]
     k = k if optimizer_bytes is None else optimizer_bytes
 
@@ -82,6 +84,11 @@ def model_state_bytes(dense: float, expert: float = 0.0, *, zero: int, n_dense: 
             return dense / n_dense + expert / n_expert
         return dense + expert
 
+    if trainable is not None:
+        def own(stage: int) -> float:
+            return trainable / n_dense if zero >= stage else trainable
+
+        return w * (held(3) + whole), g * own(2), k * own(1)
     return w * (held(3) + whole), g * (held(2) + whole), k * (held(1) + whole)
 
 
@@ -149,7 +156,8 @@ def held_params(counts: ModelCounts, layers: list[LayerCount], first: bool, last
     ranks (``expert_tensor``; 1: whole on each tensor rank; measured by ``paraxis plan
     --dry-run``); a tied head is a second copy on the last stage when the embedding
     lives on another one."""
-    dense = sum(c.matrices / t + c.vectors for c in layers)
+    # An adapter's side its base does not split is whole (paraxis.planner.lora)
+    dense = sum(c.matrices / t + c.vectors + c.adapters_whole * (1 - 1 / t) for c in layers)
     expert = sum(c.experts / (e * etp) for c in layers)
     if first:
         dense += counts.embedding / t
@@ -172,15 +180,22 @@ def rank_memory(counts: ModelCounts, layout: ParallelConfig, work: Workload,
     # ZeRO keeps an embedding tied across pipeline stages whole, on the first and last.
     tied = counts.embedding / t if counts.tied and p > 1 and (first or last) else 0.0
     n_dense, n_expert = shard_group_sizes(layout)
+    trainable = sum(_trainable(c, t) for c in layers) if counts.lora_rank else None
     weights, grads, optim = model_state_bytes(
         dense - tied, expert, whole=tied, zero=par.zero, n_dense=n_dense,
-        n_expert=n_expert, precision=work.precision, optimizer_bytes=work.optimizer_bytes)
+        n_expert=n_expert, precision=work.precision, optimizer_bytes=work.optimizer_bytes,
+        trainable=trainable)
 
     alive = alive_units(sched.pipeline_schedule, p, m, v, rank)
     acts = _activations(counts, layout, work, rank, alive)
     buffers, notes = _buffers(counts, layout, work, layers)
     notes.update(layers=len(layers), alive_microbatches=alive, chunks=len(chunks))
     return Memory(rank, weights, grads, optim, acts, buffers, notes)
+
+
+def _trainable(c: LayerCount, t: int) -> float:
+    """A LoRA layer's adapter parameters on one tensor rank."""
+    return (c.adapters - c.adapters_whole) / t + c.adapters_whole
 
 
 def _activations(counts: ModelCounts, layout: ParallelConfig, work: Workload, rank: int,
@@ -238,9 +253,10 @@ def _buffers(counts: ModelCounts, layout: ParallelConfig, work: Workload,
     grad = BYTES_PER_PARAM[work.precision][1]
     out: dict[str, Any] = {}
     params = [c.matrices / t + c.vectors + c.experts / e for c in layers]
+    graded = [_trainable(c, t) for c in layers] if counts.lora_rank else params
     if layout.token_replicas > 1:
         if par.zero < 3:  # one bucket in flight, never more than the gradients it holds
-            out["data_bucket"] = min(par.bucket_mb * MiB, sum(params) * grad)
+            out["data_bucket"] = min(par.bucket_mb * MiB, sum(graded) * grad)
         elif layers and par.pipeline > 1:  # gathered once per step, kept (issue 36)
             out["zero3_gathered"] = sum(params) * work.element_size
         elif layers:  # in the compute dtype (issue 36)

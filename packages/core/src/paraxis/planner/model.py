@@ -59,6 +59,8 @@ class LayerCount:
     matrices: int  # ndim >= 2: split by tensor parallelism
     vectors: int  # norms and biases: kept whole on every tensor rank (an upper bound)
     experts: int  # split over the expert axis (and tensor)
+    adapters: int = 0  # LoRA's, counted in matrices too: the layer's trainable ones
+    adapters_whole: int = 0  # of those, whole on every tensor rank (paraxis.planner.lora)
 
     @property
     def total(self) -> int:
@@ -89,6 +91,13 @@ class ModelCounts:
     # tensor by tensor, planner.activations); else Korthikanti's GPT-3 constants.
     block: str = "korthikanti"
     expert_intermediate: int | None = None
+    # > 0: a LoRA run (paraxis.planner.lora): every parameter frozen but the adapters
+    lora_rank: int = 0
+
+    @property
+    def trainable(self) -> int:
+        """Parameters the optimizer steps: the adapters of a LoRA run, else all."""
+        return sum(c.adapters for c in self.layers) if self.lora_rank else self.total
 
     @property
     def total(self) -> int:
@@ -131,6 +140,9 @@ class ModelCounts:
             parts.append(f"{self.num_experts} experts, top-{self.top_k}")
         parts.append("head tied to the embedding" if self.tied
                      else f"head {fmt_count(self.head)}")
+        if self.lora_rank:
+            parts.append(f"LoRA rank {self.lora_rank}: {fmt_count(self.trainable)} "
+                         f"trainable ({self.trainable / self.total:.2%}), the rest frozen")
         return ", ".join(parts)
 
 

@@ -26,14 +26,47 @@ __all__ = ["HEADROOM", "dry_run_verdict", "fit_warning", "load_counts", "run_wor
 HEADROOM = 0.1
 
 
-def load_counts(model: str, seq: int | None = None) -> tuple[ModelCounts, dict[str, Any]]:
+def load_counts(model: str, seq: int | None = None, *, lora_rank: int | None = None,
+                lora_targets: list[str] | None = None) -> tuple[ModelCounts, dict[str, Any]]:
     """The counts of ``model`` (a model dir, config.json or run YAML) built on the meta
-    device, and the run defaults found beside it."""
+    device, wrapped with LoRA adapters of ``lora_rank`` when given
+    (:mod:`paraxis.planner.lora`), and the run defaults found beside it."""
     from paraxis.engine.plugins import make_plugin_manager
+    from paraxis.planner.lora import adapted, lora_section
 
+    pm = make_plugin_manager()
     source = load_model_source(model)
-    built = build_on_meta(source, make_plugin_manager())
-    return count_model(built, source.family, seq), source.defaults
+    with torch.device("meta"):
+        built = build_on_meta(source, pm)
+        if lora_rank is not None:
+            built = adapted(built, lora_section(lora_rank, lora_targets), pm)
+    return counts_of(built, source.family, seq, pm), source.defaults
+
+
+def counts_of(model: Any, family: str, seq: int | None, pm: Any) -> ModelCounts:
+    """:func:`count_model`, with a LoRA model's adapters counted trainable and the rest
+    frozen (:func:`paraxis.planner.lora.with_adapters`)."""
+    from paraxis.parallel.anatomy import find_anatomy
+    from paraxis.parallel.model_plan import find_plan
+    from paraxis.planner.lora import with_adapters
+
+    plan = find_plan(model, pm, None)
+    anatomy = find_anatomy(model, plan)
+    return with_adapters(count_model(model, family, seq, anatomy), model, anatomy, plan)
+
+
+def run_builder(model: str, lora_rank: int | None = None,
+                lora_targets: list[str] | None = None) -> Callable[[], Any]:
+    """What the run builds, for the dry run (called on the meta device): ``model``, with
+    rank-``lora_rank`` adapters on ``lora_targets`` (:mod:`paraxis.planner.lora`)."""
+    from paraxis.engine.plugins import make_plugin_manager
+    from paraxis.planner.lora import adapted, lora_section
+
+    source, pm = load_model_source(model), make_plugin_manager()
+    if lora_rank is None:
+        return lambda: build_on_meta(source, pm)
+    lora = lora_section(lora_rank, lora_targets)
+    return lambda: adapted(build_on_meta(source, pm), lora, pm)
 
 
 def dry_run_verdict(run: Any, command: str) -> int:
@@ -70,7 +103,9 @@ def train_dry_run(config: Any, *, build: Callable[[], Any], as_json: bool) -> in
         model = build()
     family = getattr(getattr(model, "config", None), "model_type", None) or \
         config.model.family
-    counts = count_model(model, family, config.train.seq_length)
+    from paraxis.engine.plugins import make_plugin_manager
+
+    counts = counts_of(model, family, config.train.seq_length, make_plugin_manager())
     plan = evaluate(counts, config, run_workload(config), Hardware())
     run = dry_run(plan, build=build, train=config.train)
     if as_json:

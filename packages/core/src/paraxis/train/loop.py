@@ -26,7 +26,7 @@ from paraxis.engine.engine import Engine
 from paraxis.engine.plugins import make_plugin_manager
 from paraxis.parallel.summary import RunReport
 from paraxis.runtime.world import init_distributed
-from paraxis.train.build import build_model, model_spec
+from paraxis.train.build import build_model, lora_problems, model_spec
 from paraxis.train.data import BatchStream, check_data, document_positions, load_tokenizer
 from paraxis.train.failures import RankRecord
 from paraxis.train.lifecycle import StopRequest
@@ -40,7 +40,7 @@ from paraxis.train.notices import (
 from paraxis.train.profile import StepProfiler
 from paraxis.train.sinks import Sinks, check_sinks, open_sinks, run_directory
 from paraxis.train.sources import open_stream
-from paraxis.train.summary import summarize
+from paraxis.train.summary import summarize, trainable_counts
 
 __all__ = ["Run", "evaluate", "finish", "run_steps", "start", "train"]
 
@@ -106,7 +106,7 @@ def start(cfg: RunConfig, history: list[dict[str, float]],
     pm = make_plugin_manager()
     check_sinks(cfg, pm)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    problems = check_data(cfg, tokenizer)
+    problems = [*check_data(cfg, tokenizer), *lora_problems(cfg, pm)]
     if problems:  # before any process group, with everything found
         raise ConfigError(problems)
     init_distributed()  # a construction context may partition over the ranks
@@ -115,10 +115,12 @@ def start(cfg: RunConfig, history: list[dict[str, float]],
     context = pm.hook.paraxis_model_context(config=cfg)
     with context if context is not None else contextlib.nullcontext():
         model = build_model(model_spec(cfg, tokenizer.vocab_size), pm, seed=cfg.train.seed,
-                            deferred=context is None)
+                            deferred=context is None, lora=cfg.lora)
+    trainable = trainable_counts(model)  # the summary's share (a LoRA run's adapters)
     # A model constructed partitioned cannot run whole on a rank: no parity probe.
     engine = parallelize(model, config=cfg, train=cfg.train, plugin_manager=pm,
                          verify=context is None)
+    engine.ctx.extras["trainable"] = trainable
     signals = StopRequest().install()
     engine.stop_request = signals
     index, count = engine.grid.sample_shard()
@@ -210,6 +212,7 @@ def finish(run: Run) -> dict[str, float]:
     if cfg.train.trace_dir:
         engine.tracer.export(Path(cfg.train.trace_dir) / f"rank{engine.grid.rank:05d}.trace.json")
     summary = summarize(mine, time.perf_counter() - run.started, engine.step - run.first_step)
+    summary.update(engine.ctx.extras.get("trainable", {}))
     for report in reports:
         summary.update(report.values)
     if run.sinks is not None:

@@ -12,7 +12,7 @@ from typing import Any
 from paraxis.parallel.metric_names import CONSOLE_MOE
 from paraxis.parallel.sink import MetricSink
 
-__all__ = ["ConsoleSink", "console_line", "summarize", "summary_table"]
+__all__ = ["ConsoleSink", "console_line", "summarize", "summary_table", "trainable_counts"]
 
 
 def console_line(m: dict[str, float], steps: int) -> str:
@@ -89,8 +89,10 @@ def _fmt(key: str, value: float) -> str:
         return f"{value * 1e3:,.2f} ms" if value < 10 else f"{value:,.1f} s"
     if key == "mfu":
         return f"{value:.2%}"
-    if key in ("steps", "tokens_per_s"):
+    if key in ("steps", "tokens_per_s", "trainable_params"):
         return f"{value:,.0f}"
+    if key == "trainable_share":
+        return f"{value:.2%}"
     return f"{value:.4f}"
 
 
@@ -106,6 +108,17 @@ def summary_table(summary: dict[str, float], rows: Sequence[tuple[str, str]] = (
     for key, text in rows:
         table.add_row(key, text)
     Console().print(table)
+
+
+def trainable_counts(model: Any) -> dict[str, float]:
+    """Parameters the optimizer steps and their share of all (a LoRA run's adapters: the
+    rest frozen, issue 34), counted on the model as built, before any axis splits it; a
+    tied parameter once."""
+    params = {id(p): p for p in model.parameters()}.values()
+    total = sum(p.numel() for p in params)
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    return {"trainable_params": float(trainable),
+            "trainable_share": trainable / total if total else 0.0}
 
 
 def summarize(history: list[dict[str, float]], wall: float, steps: int) -> dict[str, float]:
