@@ -135,10 +135,16 @@ def test_a_lora_run_resumes_through_paraxis_train(tmp_path):
 
 
 def train_here(args):
-    """``paraxis train`` in this process; the launcher's environment (its report
-    directory, removed when it returns) is not left to the worlds later tests start."""
-    import os
-    from unittest import mock
+    """``paraxis train`` as a user starts it: its own process, stdout to a file. Run in
+    the test's process it forks its workers from a pytest worker that already holds
+    threads from earlier tests, and a fork of such a process may hang (seen here)."""
+    import subprocess
+    import sys
 
-    with mock.patch.dict(os.environ):
-        return main(args)
+    log = Path(args[args.index("--config") + 1]).parent / "train.out"
+    with log.open("a") as out:
+        code = subprocess.run([sys.executable, "-m", "paraxis", *args], stdout=out,
+                              stderr=subprocess.STDOUT, timeout=240).returncode
+    if code:
+        print(log.read_text()[-4000:])  # shown with the failure
+    return code
