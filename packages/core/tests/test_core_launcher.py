@@ -153,3 +153,24 @@ def test_a_forked_worker_applies_the_thresholds_it_inherits():
 
     assert mapped(True) == 40
     assert mapped(False) == 0  # glibc's own threshold, which the call replaces
+
+
+def test_the_launcher_gives_its_caller_the_environment_back(monkeypatch):
+    """run_workers sets the workers' environment (report directory, lock, thread and
+    malloc settings) in the process that calls it; that process has its own back when
+    the job ends, or a later ``main`` in it (a test's) reads a removed report directory.
+    The job here sets what the real one sets, then fails."""
+    import os
+
+    from paraxis.train import launcher
+
+    def job(world_size, opts, argv, checkpoint_dir, entry, warm):
+        os.environ["PARAXIS_REPORT_DIR_PLANT"] = "/gone"
+        os.environ["OMP_NUM_THREADS"] = "97"
+        raise RuntimeError("the job failed")
+
+    monkeypatch.setattr(launcher, "_run_workers", job)
+    before = dict(os.environ)
+    with pytest.raises(RuntimeError):
+        launcher.run_workers(2, LaunchOptions(1, 0, "", "", 0), ["train"], None)
+    assert dict(os.environ) == before

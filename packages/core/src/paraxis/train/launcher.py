@@ -177,7 +177,18 @@ def run_workers(world_size: int, opts: LaunchOptions, argv: Sequence[str],
     """Run torchrun's agent here; return the job's exit code. With ``entry`` (the CLI's
     ``main``) and where it is safe, the workers are forked from this process after
     ``warm()`` did here what each would do alike (:mod:`paraxis.train.forked`);
-    otherwise torchrun starts each as ``python -m paraxis argv``."""
+    otherwise torchrun starts each as ``python -m paraxis argv``. The environment it sets
+    for the workers is this process's again when it returns (a later ``main`` in it, a
+    test's, would otherwise inherit a removed report directory)."""
+    saved = dict(os.environ)
+    try:
+        return _run_workers(world_size, opts, argv, checkpoint_dir, entry, warm)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _run_workers(world_size, opts, argv, checkpoint_dir, entry, warm) -> int:
     import torch
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
