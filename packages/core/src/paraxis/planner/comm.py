@@ -99,9 +99,10 @@ def _stage_layers(counts: ModelCounts, layout: ParallelConfig) -> list[list[int]
 
 def communication(counts: ModelCounts, layout: ParallelConfig, work: Workload, *,
                   gpus_per_node: int, dense_grad_params: float, expert_grad_params: float,
-                  ) -> list[AxisComm]:
+                  trainable_params: float | None = None) -> list[AxisComm]:
     """Per active axis, bytes the most loaded rank sends per step; ``*_grad_params`` are
-    the parameters whose gradients that rank holds before any ZeRO sharding."""
+    the parameters that rank holds before any ZeRO sharding, ``trainable_params`` those
+    of them with a gradient when others are frozen (LoRA's adapters; None: all)."""
     par, sched = layout.parallelism, layout.schedule
     t, p, e, c = par.tensor, par.pipeline, par.expert, par.context
     m, v, el = sched.microbatches, sched.virtual_stages, work.element_size
@@ -118,7 +119,7 @@ def communication(counts: ModelCounts, layout: ParallelConfig, work: Workload, *
     out: list[AxisComm] = []
     if layout.token_replicas > 1:
         out += _data(layout, work, dense_grad_params, expert_grad_params,
-                     link(*TOKEN_AXES), gpus_per_node)
+                     link(*TOKEN_AXES), gpus_per_node, trainable_params)
     if t > 1:
         replays = {"none": 0, "selective": 1, "full": 2}[sched.activation_checkpointing]
         volume = max(_tensor_stage(counts, layout, work, r, layer_ids)
@@ -198,23 +199,27 @@ def _has_dense_mlp(counts: ModelCounts, layer: LayerCount) -> bool:
 
 
 def _data(layout: ParallelConfig, work: Workload, dense: float, expert: float, link: str,
-          gpus_per_node: int) -> list[AxisComm]:
+          gpus_per_node: int, trainable: float | None = None) -> list[AxisComm]:
     """Gradients (and ZeRO's weights) over the replicas: dense over data x expert x
     context, expert parameters over data x context; gradients in
     ``work.grad_wire_bytes``, ZeRO 1-2's gathered fp32 masters in ``work.weight_bytes``,
     ZeRO-3's gathers in the compute dtype (``work.element_size``, issue 36). Under HSDP
     (``zero_shard``) the reduce-scatter and gathers stay inside the shard groups and the
-    shards' gradients are all-reduced across them: a second entry, ``data_replica``."""
+    shards' gradients are all-reduced across them: a second entry, ``data_replica``.
+    With frozen parameters (``trainable``: LoRA's adapters, dense) only the trainable
+    ones' gradients are reduced and, under ZeRO 1-2, their updated weights gathered;
+    ZeRO-3 still gathers every weight (frozen ones are sharded too)."""
     par, m = layout.parallelism, layout.schedule.microbatches
     n_dense, n_expert = shard_group_sizes(layout)
     g, w = work.grad_wire_bytes, work.weight_bytes
-    grad = dense * (n_dense - 1) / n_dense + expert * (n_expert - 1) / n_expert
+    held = dense * (n_dense - 1) / n_dense + expert * (n_expert - 1) / n_expert
+    grad = held if trainable is None else trainable * (n_dense - 1) / n_dense
     hsdp = bool(par.zero and par.zero_shard and par.zero_shard < par.data)
     shard_link, replica_link = _hsdp_links(layout, gpus_per_node) if hsdp else (link, link)
     if par.zero == 3:
         gathers = 1 if par.pipeline > 1 else 2 * m  # kept through a pipeline's schedule
         out = [AxisComm("data", f"all-gather x{gathers} per step + reduce-scatter",
-                        grad * (gathers * work.element_size + g), n_dense, shard_link,
+                        held * gathers * work.element_size + grad * g, n_dense, shard_link,
                         "prefetched under forward and backward compute",
                         "weights gathered per microbatch, gradients once per step"
                         if gathers > 1 else "weights gathered and gradients reduced once "
@@ -226,7 +231,8 @@ def _data(layout: ParallelConfig, work: Workload, dense: float, expert: float, l
                         "gradients once per step")]
     if hsdp:
         replicas = par.data // (par.zero_shard or par.data)
-        shards = dense / n_dense + expert / n_expert  # this rank's shard of each
+        shards = (dense / n_dense + expert / n_expert if trainable is None
+                  else trainable / n_dense)  # this rank's shard of each gradient
         out.append(AxisComm("data_replica", "all-reduce of the shards' gradients",
                             2 * shards * (replicas - 1) / replicas * g, replicas,
                             replica_link, "after the reduce-scatter, in the step's tail",

@@ -17,7 +17,13 @@ from paraxis.config.parallel import AXES, SAMPLE_AXES, ParallelConfig
 from paraxis.config.rules import check
 from paraxis.planner.comm import AxisComm, communication
 from paraxis.planner.inputs import Hardware, Workload
-from paraxis.planner.memory import Memory, held_params, rank_layers, rank_memory
+from paraxis.planner.memory import (
+    Memory,
+    held_params,
+    most_trainable,
+    rank_layers,
+    rank_memory,
+)
 from paraxis.planner.model import ModelCounts
 from paraxis.planner.schedule import Bubble, bubble, holds_ends
 from paraxis.planner.step import StepEstimate, estimate_step
@@ -153,7 +159,8 @@ def evaluate(counts: ModelCounts, layout: ParallelConfig, work: Workload,
                                      par.tensor, par.expert, p)
                          for r in range(p)), key=sum)  # the rank with most gradients
     comm = tuple(communication(counts, layout, work, gpus_per_node=hardware.gpus_per_node,
-                               dense_grad_params=dense, expert_grad_params=expert))
+                               dense_grad_params=dense, expert_grad_params=expert,
+                               trainable_params=most_trainable(counts, layout)))
     bub = bubble(sched.pipeline_schedule, p, sched.microbatches, v, simulate=simulate,
                  plugin_manager=plugin_manager)
     step = estimate_step(counts, layout, work, list(comm), bub.fraction,

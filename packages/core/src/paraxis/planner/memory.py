@@ -198,6 +198,16 @@ def _trainable(c: LayerCount, t: int) -> float:
     return (c.adapters - c.adapters_whole) / t + c.adapters_whole
 
 
+def most_trainable(counts: ModelCounts, layout: ParallelConfig) -> float | None:
+    """The most trainable parameters a pipeline rank holds when others are frozen (a
+    LoRA run's adapters on one tensor rank); None when every parameter trains."""
+    if not counts.lora_rank:
+        return None
+    t = layout.parallelism.tensor
+    return max(sum(_trainable(c, t) for c in rank_layers(counts, layout, r))
+               for r in range(layout.parallelism.pipeline))
+
+
 def _activations(counts: ModelCounts, layout: ParallelConfig, work: Workload, rank: int,
                  alive: int) -> float:
     """Activation bytes on pipeline rank ``rank`` with ``alive`` microbatch units held:
