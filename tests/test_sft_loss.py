@@ -93,4 +93,5 @@ def test_the_first_loss_is_the_mean_over_the_answers_by_hand(worlds, files, fmt)
     want = hand_loss(root, tok, fmt)
     for packing in (False, True):
         (loss,) = worlds.run(1, first_loss, root, fmt, packing)
+        print(f"{fmt}, packing {packing}: first loss {loss:.8f}, by hand {want:.8f}")
         assert abs(loss - want) <= STEP_RTOL * want, (fmt, packing, loss, want)
