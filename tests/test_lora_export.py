@@ -6,12 +6,12 @@ adapter_model.safetensors, loaded by ``PeftModel.from_pretrained`` on the saved 
 each give the run's last eval loss on the same held-out rows within STEP_RTOL; the run
 summary's trainable parameters are the adapters written, with their share of the model."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
+from test_sft_export import example_config as sft_example
 from test_sft_export import held_out_loss
 
 from paraxis.cli.main import main
@@ -25,15 +25,8 @@ STEPS = 20  # the example's 60 steps are its own; the exports' agreement needs f
 
 
 def example_config(root):
-    spec = importlib.util.spec_from_file_location("sft_chat", ROOT / "examples/sft_chat.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    example.write_stand_ins(root)
-    return RunConfig.load(ROOT / "examples/sft_lora.yaml", [
-        f"model.pretrained={root}/model", f"data.source={root}/chat.jsonl",
-        f"data.tokenizer={root}/tokenizer", f"train.checkpoint_dir={root}/checkpoints",
-        f"train.steps={STEPS}", f"train.eval_every={STEPS}", "logging.wandb=false",
-        "logging.progress=false"], env={})
+    return sft_example(root, "sft_lora.yaml", f"train.steps={STEPS}",
+                       f"train.eval_every={STEPS}")
 
 
 def train_example(cfg):

@@ -22,15 +22,16 @@ ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = ["add two and five", "add nine and nine", "add three and zero"]
 
 
-def example_config(root):
+def example_config(root, example_yaml="sft_chat.yaml", *overrides):
+    """An example's config on the stand-ins ``examples/sft_chat.py`` writes in ``root``."""
     spec = importlib.util.spec_from_file_location("sft_chat", ROOT / "examples/sft_chat.py")
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     example.write_stand_ins(root)
-    return RunConfig.load(ROOT / "examples/sft_chat.yaml", [
+    return RunConfig.load(ROOT / "examples" / example_yaml, [
         f"model.pretrained={root}/model", f"data.source={root}/chat.jsonl",
         f"data.tokenizer={root}/tokenizer", f"train.checkpoint_dir={root}/checkpoints",
-        "logging.wandb=false", "logging.progress=false"], env={})
+        *overrides, "logging.wandb=false", "logging.progress=false"], env={})
 
 
 def train_example(cfg):
