@@ -119,10 +119,27 @@ def test_selection_matters():
     assert float((sparse - dense).abs().max().detach()) > 1e-3
 
 
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_one_process_matches_sdpa(mode):
+    """A context group of one (registered twice: a new grid rebinds the wrapper)."""
+    model = tiny("glm_moe_dsa")
+    assert interceptable(model) is None
+    ids = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(SEQ).expand_as(ids)
+    want = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    for _ in range(2):
+        use_context_attention(model, _alone(), mode=mode)
+    got = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def _alone():
+    return AxisGroup(("context",), (0,), 0, None, CommStats())
+
+
 def test_indices_of_a_shard_refused():
-    assert interceptable(tiny("deepseek_v32")) is None
     two = AxisGroup(("context",), (0, 1), 0, None, CommStats())
-    fn = attention_function(two, mode="ring")
+    fn = attention_function(two, mode="ring")  # two ranks: 4 local queries are 8 in all
     q = torch.randn(1, 2, 4, 8, dtype=torch.float64)
     with pytest.raises(ValueError, match="ranked only this rank's shard"):
         fn(torch.nn.Module(), q, q, q, None, indices=torch.zeros(1, 4, 2, dtype=torch.int32))

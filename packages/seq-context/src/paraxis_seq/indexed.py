@@ -57,10 +57,15 @@ def indexed_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def use_gathered_indexers(model: nn.Module, group: Any, *, layout: str) -> tuple[str, ...]:
-    """Wrap every indexed attention module of ``model``; returns their names."""
+    """Wrap every indexed attention module of ``model``; returns their names. A module
+    wrapped before (the function registered again, for a new grid) takes the new group."""
     wrapped = []
     for name, module in indexed_modules(model).items():
-        module.forward = GatheredSelection(module, group, layout)
+        held = module.__dict__.get("forward")
+        if isinstance(held, GatheredSelection):
+            held.group, held.layout = group, layout
+        else:
+            module.forward = GatheredSelection(module, group, layout)
         module.paraxis_context = "DSA indexer over the gathered sequence"
         wrapped.append(name)
     return tuple(wrapped)
