@@ -24,7 +24,9 @@ Granite-SWA), and a ``chunked_attention`` layer's chunk, which transformers appl
 through its mask and the function reads from the module's config
 (:func:`paraxis_seq.hf_adapters.chunk_of`, Llama 4); what a family computes around the
 call from shard-local positions is corrected by its adapter
-(:data:`paraxis_seq.hf_adapters.ADAPTERS`).
+(:data:`paraxis_seq.hf_adapters.ADAPTERS`). DeepSeek's sparse attention (the
+``indexed_attention`` layers) gets its indexer's selection made over the whole sequence
+(:mod:`paraxis_seq.indexed`) and hands it on as ``indices=``, which both kernels mask with.
 
 Families whose attention modules compute attention inline (transformers' own test,
 ``_can_set_attn_implementation``: bloom, falcon, mpt, gpt_neo, openai-gpt, xglm, ...)
@@ -56,6 +58,7 @@ from paraxis.parallel.anatomy import Anatomy, find_anatomy
 from paraxis.parallel.batch import DOC_IDS_KWARG
 from paraxis_seq.hf_adapters import adapter_of, chunk_of
 from paraxis_seq.hf_inline import inline_reason, install_inline
+from paraxis_seq.indexed import NO_MASK, selection, use_gathered_indexers
 from paraxis_seq.recurrent import LAYER_KINDS, recurrent_mixers, unpassable
 from paraxis_seq.ring import DROPOUT_REFUSED, ring_attention
 from paraxis_seq.ulysses import ulysses_attention
@@ -75,21 +78,11 @@ _UNSUPPORTED_KWARGS: dict[str, str] = {
     "cu_seq_lens_q": "flash-attention's varlen lengths describe the whole sequence, not "
                      "a rank's shard: pass packed documents as position_ids (paraxis "
                      "turns them into document ids)",
-    "indices": "a top-k selection of keys (DeepSeek's DSA indexer) made from this rank's "
-               "shard of the keys",
 }
-# Sparse attention whose keys are chosen or pooled inside the attention module, before
-# any attention function is called (issue 35, item 4), with why neither mode serves it.
+# Sparse attention whose keys are pooled inside the attention module, before any
+# attention function is called (issue 35, item 4), with why neither mode serves it.
+# (DeepSeek's indexed attention is served: paraxis_seq.indexed.)
 _SPARSE_LAYERS: dict[str, str] = {
-    "indexed_attention": (
-        "DeepSeek's sparse attention indexer picks each query's top-k keys inside the "
-        "attention module, from the keys of the hidden states the module is given (a "
-        "rank's shard) and a whole-sequence mask transformers does not build for a "
-        "context-parallel implementation, before any attention function is called. Its "
-        "score sums over all of the indexer's own heads, so Ulysses' head split (which "
-        "happens after the module's projections) does not give a head group the whole "
-        "sequence's selection either; the selection would have to be made from every "
-        "rank's indexer keys, which transformers' module does not let a function do"),
     "compressed_sparse_attention": (
         "DeepSeek-V4's compressors pool keys and values over blocks of the sequence "
         "inside the attention module, from the hidden states it is given (a rank's "
@@ -98,7 +91,8 @@ _SPARSE_LAYERS: dict[str, str] = {
 _SPARSE_LAYERS["heavily_compressed_attention"] = _SPARSE_LAYERS["compressed_sparse_attention"]
 # Layer kinds of config.layer_types that are softmax attention the kernels compute
 # (chunked: Llama 4's, the chunk from the config, paraxis_seq.hf_adapters.chunk_of).
-_ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+_ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention",
+                               "indexed_attention"})
 # The keywords of transformers' attention call that the kernels take: the name -> the
 # kernel's keyword (soft-capping, Gemma 2; sinks, gpt-oss' s_aux: paraxis_seq.variant;
 # ALiBi's slopes, from the inline adapters of BLOOM and MPT: paraxis_seq.hf_inline).
@@ -124,6 +118,8 @@ def attention_function(group: Any, *, mode: str = "ring", layout: str = "zigzag"
                           sliding_window: int | None = None, is_causal: bool | None = None,
                           **kwargs: Any) -> tuple[torch.Tensor, None]:
         docs = kwargs.pop(DOC_IDS_KWARG, None)
+        indices = kwargs.pop("indices", None)
+        attention_mask = None if attention_mask is NO_MASK else attention_mask
         variant = {ours: kwargs.pop(theirs, None) for theirs, ours in _VARIANT_KWARGS.items()}
         _refuse_call(attention_mask, kwargs)
         if docs is None and documents is not None and documents.expected:
@@ -142,14 +138,37 @@ def attention_function(group: Any, *, mode: str = "ring", layout: str = "zigzag"
         common = dict(group=group, causal=bool(causal), scale=scaling,
                       window=sliding_window, layout=layout, dropout=dropout, documents=docs,
                       chunk=chunk_of(module), **variant)
+        # DSA's selection: the ring's rows are this rank's queries, Ulysses' all of them.
+        selected = _selected(module, indices, q.shape[1], group,
+                             layout if mode == "ring" else None)
         if mode == "ring":
-            out = ring_attention(q, k, v, **common)
+            out = ring_attention(q, k, v, selected=selected, **common)
         else:
-            out = ulysses_attention(q, k, v, attention=kernel, **common)
+            out = ulysses_attention(q, k, v, attention=kernel, selected=selected, **common)
         return out, None
 
     context_attention.__qualname__ = f"context_attention[{mode}, {layout}]"
     return context_attention
+
+
+def _selected(module: nn.Module, indices: torch.Tensor | None, here: int, group: Any,
+              layout: str | None) -> torch.Tensor | None:
+    """DSA's mask of selected keys (:func:`paraxis_seq.indexed.selection`) from the indices
+    of every query of the sequence: for this rank's ``here`` queries (in ``layout``), or
+    with ``layout=None`` for all of them in true order; None without indices."""
+    if indices is None:
+        return None
+    whole = here * group.size
+    if indices.shape[1] != whole:
+        raise ValueError(
+            f"{type(module).__name__} passed indices= for {indices.shape[1]} queries, not "
+            f"the sequence's {whole}: its indexer ranked only this rank's shard of the "
+            "keys (a module paraxis_seq.indexed did not wrap; DeepSeek's sparse attention "
+            "needs the selection over the whole sequence)")
+    if layout is not None:
+        rows = positions(whole, group.size, group.rank, layout).to(indices.device)
+        indices = indices.index_select(1, rows)
+    return selection(indices, whole)
 
 
 def _refuse_call(attention_mask: torch.Tensor | None, kwargs: dict[str, Any]) -> None:
@@ -304,4 +323,5 @@ def use_context_attention(model: nn.Module, group: Any, *, anatomy: Anatomy | No
     if model.config._attn_implementation != name:  # set_attn_implementation only warns
         raise ValueError(f"{type(model).__name__} did not take attn_implementation={name!r} "
                          f"(it kept {model.config._attn_implementation!r})")
+    use_gathered_indexers(model, group, layout=layout)  # DSA: selection over the sequence
     return name

@@ -138,11 +138,25 @@ def _bias(alibi: torch.Tensor | None, spec: tuple, seq_len: int, group: Any, src
                       positions(seq_len, n, src, layout)[blk.cols])
 
 
+def _mask(blk: Block, docs: torch.Tensor | None, held: list[torch.Tensor],
+          selected: torch.Tensor | None, spec: tuple, seq_len: int, group: Any, src: int,
+          device: torch.device) -> tuple[torch.Tensor | None, bool]:
+    """The block's mask (:func:`paraxis_seq.blockwise.with_documents`), and with
+    ``selected`` (DSA's chosen keys of this rank's queries, ``(b, s/C, seq_len)`` over
+    global key positions) only the keys it selects among them."""
+    mask, tri = with_documents(blk, docs, held[1] if docs is not None else None)
+    if selected is not None:
+        keys = positions(seq_len, group.size, src, spec[2])[blk.cols].to(selected.device)
+        chosen = selected[:, blk.rows].index_select(2, keys)[:, None]
+        mask, tri = chosen if mask is None else mask.to(chosen.device) & chosen, False
+    return (None if mask is None else mask.to(device)), tri
+
+
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor | None,
              extra: tuple, group: Any, spec: tuple, wire: torch.dtype | None,
              ) -> tuple[torch.Tensor, torch.Tensor]:
     variant, scale, layout = spec
-    sinks, alibi = extra
+    sinks, alibi, selected = extra
     n, rank, cd = group.size, group.rank, compute_dtype(q.dtype)
     b, s, h, _ = q.shape
     qc = q.to(cd)
@@ -155,8 +169,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tens
                   if step < n - 1 else None)
         kb, vb, src = *_unpack(held[0], k.shape, v.shape), (rank - step) % n
         for blk in step_blocks(s * n, n, rank, src, layout, variant):
-            mask, tri = with_documents(blk, docs, held[1] if docs is not None else None)
-            mask = None if mask is None else mask.to(q.device)
+            mask, tri = _mask(blk, docs, held, selected, spec, s * n, group, src, q.device)
             o, lse_b = block_forward(qc[:, blk.rows], kb[:, blk.cols].to(cd),
                                      vb[:, blk.cols].to(cd), scale=scale, mask=mask,
                                      causal=tri, softcap=variant.softcap,
@@ -172,17 +185,17 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tens
 
 def _block_grads(blocks: tuple[Block, ...], held: list[torch.Tensor], k: torch.Tensor,
                  v: torch.Tensor, saved: tuple, dq: torch.Tensor, softcap: float | None,
-                 docs: torch.Tensor | None, bias: Any) -> torch.Tensor:
+                 docs: torch.Tensor | None, bias: Any, masks: Any) -> torch.Tensor:
     """This rank's dK/dV (packed, compute dtype) for the key block it holds; adds into
-    dq. ``bias(blk)``: the block's ALiBi bias, or None."""
+    dq. ``bias(blk)``: the block's ALiBi bias, or None; ``masks(blk, held)``: its mask
+    (:func:`_mask`)."""
     qc, do, out, lse, delta, scale = saved
     dk = torch.zeros(k.shape, dtype=qc.dtype, device=qc.device)
     dv = torch.zeros(v.shape, dtype=qc.dtype, device=qc.device)
     kb, vb = _unpack(held[0], k.shape, v.shape)
     for blk in blocks:
         r, c = blk.rows, blk.cols
-        mask, tri = with_documents(blk, docs, held[1] if docs is not None else None)
-        mask = None if mask is None else mask.to(qc.device)
+        mask, tri = masks(blk, held=held)
         dq_b, dk_b, dv_b = block_backward(
             do[:, r], qc[:, r], kb[:, c].to(qc.dtype), vb[:, c].to(qc.dtype), lse[:, :, r],
             delta[:, :, r], scale=scale, mask=mask, causal=tri, out=out[:, r],
@@ -195,10 +208,10 @@ def _block_grads(blocks: tuple[Block, ...], held: list[torch.Tensor], k: torch.T
 
 def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               out: torch.Tensor, lse: torch.Tensor, docs: torch.Tensor | None,
-              alibi: torch.Tensor | None, group: Any, spec: tuple, wire: torch.dtype | None,
+              extra: tuple, group: Any, spec: tuple, wire: torch.dtype | None,
               ) -> tuple[torch.Tensor, ...]:
     variant, scale, layout = spec
-    n, rank, cd = group.size, group.rank, compute_dtype(q.dtype)
+    (alibi, selected), n, rank, cd = extra, group.size, group.rank, compute_dtype(q.dtype)
     qc, do = q.to(cd), dout.to(cd)
     delta = (do * out).sum(-1).transpose(1, 2)  # rowsum(dO ∘ O), (b, h, s)
     saved, dq = (qc, do, out, lse, delta, scale), torch.zeros_like(qc)
@@ -215,8 +228,10 @@ def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         handle = ring.start(held if more else [], recv)
         src, seq_len = (rank - step) % n, q.shape[1] * n
         blocks = step_blocks(seq_len, n, rank, src, layout, variant)
+        masks = functools.partial(_mask, docs=docs, selected=selected, spec=spec,
+                                  seq_len=seq_len, group=group, src=src, device=q.device)
         grad = _block_grads(blocks, held, k, v, saved, dq, variant.softcap, docs, functools.partial(
-            _bias, alibi, spec, seq_len, group, src, dtype=cd))
+            _bias, alibi, spec, seq_len, group, src, dtype=cd), masks)
         got = ring.wait(handle)
         if step == 0:
             own = grad  # our own block's part: it stays here
@@ -238,24 +253,26 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 sinks: torch.Tensor | None, alibi: torch.Tensor | None,
-                docs: torch.Tensor | None, group: Any, spec: tuple) -> torch.Tensor:
+                docs: torch.Tensor | None, selected: torch.Tensor | None, group: Any,
+                spec: tuple) -> torch.Tensor:
         # K/V travel in the autocast dtype under bf16/fp16, both ways (the forward's
         # block matmuls would cast them to it; the backward must see the same values).
         wire = autocast_dtype(q.device.type)
-        out, lse = _forward(q, k, v, docs, (sinks, alibi), group, spec, wire)
+        out, lse = _forward(q, k, v, docs, (sinks, alibi, selected), group, spec, wire)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.docs, ctx.alibi, ctx.group, ctx.spec, ctx.wire = docs, alibi, group, spec, wire
+        ctx.docs, ctx.extra = docs, (alibi, selected)
+        ctx.group, ctx.spec, ctx.wire = group, spec, wire
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        *grads, delta = _backward(dout, q, k, v, out, lse, ctx.docs, ctx.alibi, ctx.group,
+        *grads, delta = _backward(dout, q, k, v, out, lse, ctx.docs, ctx.extra, ctx.group,
                                   ctx.spec, ctx.wire)
         # The sinks' gradient comes from this rank's rows alone; the context ranks' parts
         # are summed with every other parameter's (the data strategy's reduction).
         dsinks = None if sinks is None else sink_grad(lse, delta, sinks).to(sinks.dtype)
-        return (*grads, dsinks, None, None, None, None)
+        return (*grads, dsinks, None, None, None, None, None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Any,
@@ -264,7 +281,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
                    dropout: float = 0.0, documents: torch.Tensor | None = None,
                    chunk: int | None = None, softcap: float | None = None,
                    sinks: torch.Tensor | None = None, alibi: torch.Tensor | None = None,
-                   ) -> torch.Tensor:
+                   selected: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence, sharded over ``group``.
 
     ``q`` is ``(b, s/C, h, d)``, ``k`` and ``v`` ``(b, s/C, h_kv, d)`` with ``h_kv``
@@ -275,7 +292,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     one learned logit per head in every row's normalizer (differentiable); ``alibi``
     ``(h,)``: ALiBi's slopes (a bias from true positions, fixed);
     :mod:`paraxis_seq.variant` defines each. ``documents`` ``(b, s/C)``: this shard's
-    document ids (pads -1). Returns ``(b, s/C, h, d_v)`` in q's dtype. Collective over
+    document ids (pads -1). ``selected`` ``(b, s/C, s)``: the keys (global positions) each
+    of this rank's queries may attend at most (DeepSeek's sparse attention,
+    :mod:`paraxis_seq.indexed`). Returns ``(b, s/C, h, d_v)`` in q's dtype. Collective over
     ``group``.
     """
     if dropout:
@@ -296,4 +315,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     docs = None if documents is None else documents.to(q.device).long().contiguous()
     alibi = None if alibi is None else alibi.detach()
-    return _RingAttention.apply(q, k, v, sinks, alibi, docs, group, (variant, scale, layout))
+    if selected is not None and tuple(selected.shape) != (q.shape[0], q.shape[1],
+                                                          q.shape[1] * group.size):
+        raise ValueError("selected must be (b, s/C, s): one row of keys per query of this "
+                         f"rank; got {tuple(selected.shape)} for q {tuple(q.shape)}")
+    return _RingAttention.apply(q, k, v, sinks, alibi, docs, selected, group,
+                                (variant, scale, layout))

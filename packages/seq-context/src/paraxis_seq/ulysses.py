@@ -90,15 +90,17 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                     scale: float | None, window: int | None = None,
                     documents: torch.Tensor | None = None, chunk: int | None = None,
                     softcap: float | None = None, sinks: torch.Tensor | None = None,
-                    alibi: torch.Tensor | None = None) -> torch.Tensor:
+                    alibi: torch.Tensor | None = None,
+                    selected: torch.Tensor | None = None) -> torch.Tensor:
     """The ring's blockwise kernel on one rank, over the whole gathered sequence: Ulysses'
-    kernel for what SDPA cannot compute (soft-capping, sinks, ALiBi), with the same
+    kernel for what SDPA cannot compute (soft-capping, sinks, ALiBi, DSA's selected
+    keys), with the same
     arithmetic as the ring's (:mod:`paraxis_seq.blockwise`), so both modes agree by
     construction."""
     alone = AxisGroup(("context",), (0,), 0, None, CommStats())
     return ring_attention(q, k, v, group=alone, causal=causal, scale=scale, window=window,
                           layout="contiguous", documents=documents, chunk=chunk,
-                          softcap=softcap, sinks=sinks, alibi=alibi)
+                          softcap=softcap, sinks=sinks, alibi=alibi, selected=selected)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Any,
@@ -107,7 +109,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
                       attention: Attention | None = None, dropout: float = 0.0,
                       documents: torch.Tensor | None = None, chunk: int | None = None,
                       softcap: float | None = None, sinks: torch.Tensor | None = None,
-                      alibi: torch.Tensor | None = None) -> torch.Tensor:
+                      alibi: torch.Tensor | None = None,
+                      selected: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of sequence-sharded ``q (b, s/C, H, d)``, ``k, v (b, s/C, H_kv, d)``
     through head-sharded full-sequence attention; returns ``(b, s/C, H, d_v)``.
 
@@ -115,8 +118,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     in true order (default :func:`sdpa_attention`, or :func:`local_attention` under
     soft-capping, sinks or ALiBi; with ``documents``, this shard's per-token document ids, the
     kernel also gets ``documents=`` for the gathered sequence, and ``chunk=``,
-    ``softcap=``, ``sinks=`` and ``alibi=`` (this rank's heads' values) when set). Collective over
-    ``group``.
+    ``softcap=``, ``sinks=`` and ``alibi=`` (this rank's heads' values) when set;
+    ``selected`` ``(b, s, s)``, every query's allowed keys in true order (DSA,
+    :mod:`paraxis_seq.indexed`), goes to the kernel as it is). Collective over ``group``.
     """
     if dropout:
         raise ValueError(DROPOUT_REFUSED + f" (dropout={dropout})")
@@ -141,11 +145,13 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
         extra["chunk"] = chunk
     if softcap is not None:
         extra["softcap"] = softcap
+    if selected is not None:
+        extra["selected"] = selected
     heads = q.shape[2] // n  # rank r holds query heads [r H/C, (r+1) H/C) now
     for name, per_head in (("sinks", sinks), ("alibi", alibi)):
         if per_head is not None:
             extra[name] = per_head[group.rank * heads:(group.rank + 1) * heads]
-    blockwise = softcap is not None or sinks is not None or alibi is not None
+    blockwise = any(x is not None for x in (softcap, sinks, alibi, selected))
     kernel = attention or (local_attention if blockwise else sdpa_attention)
     out = kernel(qh, kh, vh, causal=causal, scale=scale, window=window, **extra)
     if order is not None:
