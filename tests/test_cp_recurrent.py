@@ -7,7 +7,9 @@ Each rank runs its chunks of every Mamba / gated-delta-rule / convolution layer 
 zero state and passes the boundary state (and the convolution's last inputs) across
 ranks (paraxis_seq.recurrent). Families: Bamba and Nemotron-H (Mamba-2 hybrids with
 attention; Nemotron-H with MoE and MLP layers), Qwen3-Next (gated delta rule, MoE),
-Mamba (a pure Mamba-1 SSM). Debug models (paraxis_hf.debug): hidden 32, 2 to 4 layers.
+Mamba (a pure Mamba-1 SSM); MiniMax (lightning attention) and RecurrentGemma (a
+convolution and the RG-LRU), whose recurrences run in their mixers' own forward
+(paraxis_seq.state_inline). Debug models (paraxis_hf.debug): hidden 32, 2 to 4 layers.
 """
 
 import contextlib
@@ -38,6 +40,11 @@ FAMILIES = {
     "nemotron_h": {"max_position_embeddings": SEQ},
     "qwen3_next": {"max_position_embeddings": SEQ},
     "mamba": {},
+    # Recurrences run in the mixer's own forward (paraxis_seq.state_inline): MiniMax's
+    # lightning attention (the state passed: 5e-4 of the probe loss) and RecurrentGemma's
+    # convolution and RG-LRU (4e-4 from the RG-LRU's state, 6e-5 from the halo).
+    "minimax": {"max_position_embeddings": SEQ},
+    "recurrent_gemma": {"max_position_embeddings": SEQ},
 }
 LAYOUTS = [
     pytest.param({"context": 2}, {}, id="ring2"),
@@ -112,7 +119,8 @@ def packed_and_padded():
 
 # The reference pads each document to a row of its own, and a router's load-balancing
 # loss counts pad tokens: Qwen3-Next's packed and padded rows agree only without it.
-DOC_OVERRIDES = {"bamba": {}, "qwen3_next": {"router_aux_loss_coef": 0.0}, "mamba": {}}
+DOC_OVERRIDES = {"bamba": {}, "qwen3_next": {"router_aux_loss_coef": 0.0}, "mamba": {},
+                 "minimax": {"router_aux_loss_coef": 0.0}, "recurrent_gemma": {}}
 
 
 def documents_run(family, degrees, packed):
@@ -134,7 +142,8 @@ def documents_run(family, degrees, packed):
 
 
 @pytest.mark.parametrize(("family", "mode"), [("bamba", "ring"), ("bamba", "ulysses"),
-                                              ("qwen3_next", "ring"), ("mamba", "ring")])
+                                              ("qwen3_next", "ring"), ("mamba", "ring"),
+                                              ("minimax", "ring"), ("recurrent_gemma", "ring")])
 def test_packed_documents_reset_the_state(worlds, family, mode):
     """Packed rows under context 2 give the loss and every parameter's gradient of their
     documents run one per padded row in one process (Bamba: Mamba-2 and its convolution;
@@ -261,21 +270,24 @@ def test_a_boundary_state_from_the_wrong_rank_fails(worlds):
 
 # ---- bad input: a recurrence no kernel boundary lets paraxis pass -------------------
 
+# The coverage matrix's tiny ZAYA (paraxis_hf.shrink).
+ZAYA = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "max_position_embeddings": 128, "moe_intermediate_size": 32, "num_experts": 4,
+        "layer_types": ["hybrid"] * 4, "head_dim": 16, "router_hidden_size": 16}
+
+
 def test_a_state_that_cannot_be_passed_is_refused_before_any_process_group():
-    """MiniMax's lightning attention computes its recurrence in the module's own code:
-    parallelize refuses it from the module alone, naming the module and why, with no
-    process group created (one process, no ``worlds``)."""
+    """ZAYA's convolutional attention runs a depthwise convolution inside its projection,
+    in the module's own code: parallelize refuses it from the module alone, naming the
+    module and why, with no process group created (one process, no ``worlds``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
-            "minimax", hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=8, num_hidden_layers=2, vocab_size=128, num_local_experts=2,
-            intermediate_size=32))
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("zaya", **ZAYA))
     with pytest.raises(ConfigError) as err:
         paraxis.parallelize(model, context=2, train={"seq_length": SEQ})
     text = str(err.value)
-    for part in ("parallelism.context", "MiniMaxLightningAttention (model.layers",
+    for part in ("parallelism.context", "(model.layers",
                  "not through a kernel function", "without the context axis"):
         assert part in text, text
     assert not dist.is_initialized()

@@ -122,7 +122,7 @@ class StateScan(_Chunked):
     inputs: tuple[str, ...]
     zeroed: str
     state: str
-    final: str
+    final: str | None
     transition: str
     pair: bool = False
     seq_dim: int = 1
@@ -219,12 +219,12 @@ class _Runner:
     kernel takes no initial state), returning (output, final state)."""
 
     original: Callable
-    final: str
+    final: str | None  # None: the kernel always returns its final state
     state: str | None
 
     def __call__(self, piece: Named, initial: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        named = {**piece, self.final: True}
+        named = dict(piece) if self.final is None else {**piece, self.final: True}
         if self.state is not None:
             named[self.state] = initial
         elif initial is not None:
