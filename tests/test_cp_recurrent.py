@@ -7,8 +7,9 @@ Each rank runs its chunks of every Mamba / gated-delta-rule / convolution layer 
 zero state and passes the boundary state (and the convolution's last inputs) across
 ranks (paraxis_seq.recurrent). Families: Bamba and Nemotron-H (Mamba-2 hybrids with
 attention; Nemotron-H with MoE and MLP layers), Qwen3-Next (gated delta rule, MoE),
-Mamba (a pure Mamba-1 SSM); MiniMax (lightning attention) and RecurrentGemma (a
-convolution and the RG-LRU), whose recurrences run in their mixers' own forward
+Mamba (a pure Mamba-1 SSM); MiniMax (lightning attention), RecurrentGemma (a
+convolution and the RG-LRU) and ZAYA (convolutions in its attention's projection), whose
+recurrences run in their modules' own forward
 (paraxis_seq.state_inline). Debug models (paraxis_hf.debug): hidden 32, 2 to 4 layers.
 """
 
@@ -45,6 +46,9 @@ FAMILIES = {
     # convolution and RG-LRU (4e-4 from the RG-LRU's state, 6e-5 from the halo).
     "minimax": {"max_position_embeddings": SEQ},
     "recurrent_gemma": {"max_position_embeddings": SEQ},
+    # ZAYA's attention projection convolves q/k over the 2 tokens before and takes half
+    # of each value from the one before (2.3e-4 of the probe loss without them).
+    "zaya": {"max_position_embeddings": SEQ},
 }
 LAYOUTS = [
     pytest.param({"context": 2}, {}, id="ring2"),
@@ -120,7 +124,7 @@ def packed_and_padded():
 # The reference pads each document to a row of its own, and a router's load-balancing
 # loss counts pad tokens: Qwen3-Next's packed and padded rows agree only without it.
 DOC_OVERRIDES = {"bamba": {}, "qwen3_next": {"router_aux_loss_coef": 0.0}, "mamba": {},
-                 "minimax": {"router_aux_loss_coef": 0.0}, "recurrent_gemma": {}}
+                 "minimax": {"router_aux_loss_coef": 0.0}, "recurrent_gemma": {}, "zaya": {}}
 
 
 def documents_run(family, degrees, packed):
@@ -155,6 +159,14 @@ def test_packed_documents_reset_the_state(worlds, family, mode):
     for loss, _ in out:
         assert_losses_close([loss], [want], "packed rows against one document per row")
     assert_same_gradients([g for _, g in out], ref_grads)
+
+
+def test_packed_rows_are_refused_where_a_convolution_cannot_reset(worlds):
+    """ZAYA's projection passes its halo over full rows only: packed rows under context
+    2 refuse at the step, naming why, rather than convolve across a document's start."""
+    out = worlds.run(2, documents_run, "zaya", {"context": 2}, True)
+    assert all(isinstance(o, str) and "neither a cache nor padded or packed rows" in o
+               for o in out), out
 
 
 def test_a_recomputation_under_a_pipeline_refuses_the_model_calls_ids():
@@ -270,24 +282,20 @@ def test_a_boundary_state_from_the_wrong_rank_fails(worlds):
 
 # ---- bad input: a recurrence no kernel boundary lets paraxis pass -------------------
 
-# The coverage matrix's tiny ZAYA (paraxis_hf.shrink).
-ZAYA = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
-        "max_position_embeddings": 128, "moe_intermediate_size": 32, "num_experts": 4,
-        "layer_types": ["hybrid"] * 4, "head_dim": 16, "router_hidden_size": 16}
-
-
 def test_a_state_that_cannot_be_passed_is_refused_before_any_process_group():
-    """ZAYA's convolutional attention runs a depthwise convolution inside its projection,
-    in the module's own code: parallelize refuses it from the module alone, naming the
-    module and why, with no process group created (one process, no ``worlds``)."""
+    """xLSTM's mLSTM computes its recurrence in the module's own code, with no method
+    or state paraxis could hand it: parallelize refuses it from the module alone, naming
+    the module and why, with no process group created (one process, no ``worlds``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("zaya", **ZAYA))
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+            "xlstm", vocab_size=128, hidden_size=32, num_hidden_layers=2, num_heads=4,
+            chunk_size=8))
     with pytest.raises(ConfigError) as err:
         paraxis.parallelize(model, context=2, train={"seq_length": SEQ})
     text = str(err.value)
-    for part in ("parallelism.context", "(model.layers",
+    for part in ("parallelism.context", "(backbone.blocks",
                  "not through a kernel function", "without the context axis"):
         assert part in text, text
     assert not dist.is_initialized()

@@ -13,11 +13,11 @@ projections, gates and norms run unchanged on the shard. Fused whole-mixer kerne
 (:data:`FUSED`) answer None there, which sends the mixer down its unfused path; one-token
 cache steps (:data:`STEPS`) refuse, since training builds no cache.
 
-A mixer whose recurrence runs in its own forward, of a class in :data:`OWNED` (MiniMax's
-lightning attention, RecurrentGemma's recurrent block), is called through that class's
-adapter (:mod:`paraxis_seq.state_inline`) instead. Refused before any process group
-(:func:`unpassable`), with the modules named: any other module that mixes the sequence
-in its own code (RWKV, xLSTM, ZAYA's convolutional attention, a dynamic convolution),
+A module whose recurrence runs in its own forward, of a class in :data:`OWNED` (MiniMax's
+lightning attention, RecurrentGemma's recurrent block, ZAYA's convolutional projection),
+is called through that class's adapter (:mod:`paraxis_seq.state_inline`) instead.
+Refused before any process group (:func:`unpassable`), with the modules named: any other
+module that mixes the sequence in its own code (RWKV, xLSTM, a dynamic convolution),
 since no kernel boundary exists to pass a state across.
 """
 
@@ -38,7 +38,7 @@ from paraxis.parallel.anatomy import Anatomy, is_norm
 from paraxis.parallel.batch import DOC_IDS_KWARG
 from paraxis.parallel.standins import stands_in
 from paraxis_seq.state_exchange import ChunkLayout
-from paraxis_seq.state_inline import GriffinBlock, LightningAttention
+from paraxis_seq.state_inline import ConvolutionalProjection, GriffinBlock, LightningAttention
 from paraxis_seq.state_kernels import (
     ConvolutionHalo,
     MixerCall,
@@ -68,6 +68,7 @@ PASSED: dict[str, Any] = {
 OWNED: dict[str, Any] = {
     "MiniMaxLightningAttention": LightningAttention(),
     "RecurrentGemmaRecurrentBlock": GriffinBlock(),
+    "ZayaCCAProjection": ConvolutionalProjection(),
 }
 FUSED = ("mamba2_split_conv1d_scan_combined", "mamba_inner_fn")
 STEPS = ("causal_conv1d_update", "mamba2_selective_state_update",
@@ -90,13 +91,14 @@ _PER_TOKEN = re.compile(r"(Mlp|MLP|RotaryEmbedding)$")
 def recurrent_mixers(anatomy: Anatomy, model: nn.Module | None = None,
                      ) -> dict[str, tuple[str, ...]]:
     """Mixer name -> the kernel functions of it to replace, for every mixer calling one
-    of :data:`PASSED`; none for a mixer of ``model`` whose class is :data:`OWNED`."""
+    of :data:`PASSED`; none for a module of ``model`` whose class is :data:`OWNED` (a
+    mixer, or what holds one: ZAYA's projection holds its convolutions)."""
     swapped = set(PASSED) | set(FUSED) | set(STEPS)
     passing = {name: tuple(sorted(set(calls) & swapped)) for name, calls in anatomy.mixer_calls
                if set(calls) & set(PASSED)}
     held = {} if model is None else dict(model.named_modules())
-    return passing | {name: () for name in anatomy.mixers
-                      if type(held.get(name)).__name__ in OWNED}
+    return passing | {name: () for name, module in held.items()
+                      if type(module).__name__ in OWNED}
 
 
 def unpassable(model: nn.Module, anatomy: Anatomy) -> str | None:

@@ -17,6 +17,12 @@ the mixer's own forward, by the mixer's class (:data:`paraxis_seq.recurrent.OWNE
   (:class:`paraxis_seq.state_kernels.ConvolutionHalo` around the module's own call),
   and its RG-LRU's ``_rnn_scan`` method, a diagonal recurrence taking an initial state,
   is a :class:`paraxis_seq.state_kernels.StateScan` for the call.
+* :class:`ConvolutionalProjection`, ZAYA's compressed convolutional attention projection
+  (Figliolia et al., arXiv:2510.04476): q/k through two stacked causal convolutions
+  (``m = (k0-1) + (k1-1)`` tokens back) and half of each value from the previous token.
+  Every output depends on the ``m`` tokens before it alone, so each chunk runs the
+  projection's own forward with the ``m`` hidden states before it prepended (fewer
+  where the sequence starts closer) and keeps its own positions: a halo on its input.
 """
 
 from __future__ import annotations
@@ -30,10 +36,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from paraxis_seq.state_exchange import carried, document_runs, entering_states, joined
+from paraxis_seq.state_exchange import (
+    carried,
+    document_runs,
+    entering_states,
+    gather_chunks,
+    joined,
+    preceding,
+)
 from paraxis_seq.state_kernels import ConvolutionHalo, MixerCall, StateScan, bind
 
-__all__ = ["GriffinBlock", "LightningAttention"]
+__all__ = ["ConvolutionalProjection", "GriffinBlock", "LightningAttention"]
 
 Named = dict[str, Any]
 
@@ -180,6 +193,38 @@ class GriffinBlock:
         with _on_instance(conv, "forward", convolve), \
                 _on_instance(lru, "_rnn_scan", functools.partial(_RG_LRU, lru._rnn_scan, call)):
             return forward(*args, **kwargs)
+
+
+class ConvolutionalProjection:
+    """ZAYA's ``ZayaCCAProjection`` (module docstring), returning (query, key, value)."""
+
+    def __call__(self, module: nn.Module, forward: Callable, call: MixerCall, *args: Any,
+                 **kwargs: Any) -> Any:
+        named = bind(forward, args, kwargs)
+        if named.get("cache") is not None or named.get("conv_mask") is not None or \
+                call.documents is not None:
+            raise ValueError("ZAYA's convolutional attention under context parallelism "
+                             "takes neither a cache nor padded or packed rows (its "
+                             "convolutions would reach across a document's start); train "
+                             "on full rows")
+        width = module.conv_kernel_size
+        shape = named["hidden_states"].shape
+        held = call.chunks.held()
+        size = shape[1] // len(held)
+        pieces = [_cut(named, shape, j * size, (j + 1) * size) for j in range(len(held))]
+        keep = min(width, size)
+        tails = gather_chunks([p["hidden_states"][:, -keep:].transpose(1, 2) for p in pieces],
+                              call.chunks)
+        outs = []
+        for j, chunk in enumerate(held):
+            before = min(width, chunk * size)  # no halo before the sequence's start
+            piece = pieces[j]
+            if before:
+                halo = preceding(tails, chunk, before).transpose(1, 2)
+                piece = {**piece, "hidden_states": torch.cat([halo, piece["hidden_states"]], 1)}
+            outs.append([t[:, before:] for t in forward(**piece)])
+        outs[0][0] = joined(outs[0][0], tails[0])
+        return tuple(torch.cat(parts, dim=1) for parts in zip(*outs, strict=True))
 
 
 @contextlib.contextmanager
