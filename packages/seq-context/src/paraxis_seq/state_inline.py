@@ -119,7 +119,7 @@ class LightningAttention:
             t = decay.to(final.dtype) if chunk < call.chunks.total - 1 else \
                 torch.zeros_like(decay, dtype=final.dtype)
             if first is not None:  # a row with a document start inside: no state crosses
-                t = t * (first == size).to(t.dtype).view(-1, 1, 1, 1)
+                t = t * (first == size).to(t.device, t.dtype).view(-1, 1, 1, 1)
             transitions.append(t)
         carry = None if ids is None else carried(ids, call.chunks)
         states, gathered = entering_states(exits, transitions, call.chunks,

@@ -147,7 +147,7 @@ class StateScan(_Chunked):
             t = checkpoint(self.chunk_transition, run, pieces[j], final, use_reentrant=False)
             if first is not None:  # a row with a document start inside: no state crosses
                 single = first == pieces[j][self.inputs[0]].shape[self.seq_dim]
-                t = t * single.to(t.dtype).view(-1, *[1] * (t.dim() - 1))
+                t = t * single.to(t.device, t.dtype).view(-1, *[1] * (t.dim() - 1))
             transitions.append(t)
         carry = None if ids is None else carried(ids, call.chunks)
         states, gathered = entering_states(exits, transitions, call.chunks, self.apply, carry)
