@@ -42,12 +42,13 @@ FAMILIES = {
     "qwen3_next": {"max_position_embeddings": SEQ},
     "mamba": {},
     # Recurrences run in the mixer's own forward (paraxis_seq.state_inline): MiniMax's
-    # lightning attention (the state passed: 5e-4 of the probe loss) and RecurrentGemma's
-    # convolution and RG-LRU (4e-4 from the RG-LRU's state, 6e-5 from the halo).
+    # lightning attention and RecurrentGemma's convolution and RG-LRU. With no state
+    # passed, parallelize's probe refuses both (MiniMax, context 2: a gradient 27% off;
+    # RecurrentGemma: the loss 8e-4 off); passed, gradients agree to 6e-7.
     "minimax": {"max_position_embeddings": SEQ},
     "recurrent_gemma": {"max_position_embeddings": SEQ},
     # ZAYA's attention projection convolves q/k over the 2 tokens before and takes half
-    # of each value from the one before (2.3e-4 of the probe loss without them).
+    # of each value from the one before (without that halo the probe refuses).
     "zaya": {"max_position_embeddings": SEQ},
 }
 LAYOUTS = [
