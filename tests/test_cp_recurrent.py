@@ -7,7 +7,10 @@ Each rank runs its chunks of every Mamba / gated-delta-rule / convolution layer 
 zero state and passes the boundary state (and the convolution's last inputs) across
 ranks (paraxis_seq.recurrent). Families: Bamba and Nemotron-H (Mamba-2 hybrids with
 attention; Nemotron-H with MoE and MLP layers), Qwen3-Next (gated delta rule, MoE),
-Mamba (a pure Mamba-1 SSM). Debug models (paraxis_hf.debug): hidden 32, 2 to 4 layers.
+Mamba (a pure Mamba-1 SSM); MiniMax (lightning attention), RecurrentGemma (a
+convolution and the RG-LRU) and ZAYA (convolutions in its attention's projection), whose
+recurrences run in their modules' own forward
+(paraxis_seq.state_inline). Debug models (paraxis_hf.debug): hidden 32, 2 to 4 layers.
 """
 
 import contextlib
@@ -38,6 +41,15 @@ FAMILIES = {
     "nemotron_h": {"max_position_embeddings": SEQ},
     "qwen3_next": {"max_position_embeddings": SEQ},
     "mamba": {},
+    # Recurrences run in the mixer's own forward (paraxis_seq.state_inline): MiniMax's
+    # lightning attention and RecurrentGemma's convolution and RG-LRU. With no state
+    # passed, parallelize's probe refuses both (MiniMax, context 2: a gradient 27% off;
+    # RecurrentGemma: the loss 8e-4 off); passed, gradients agree to 6e-7.
+    "minimax": {"max_position_embeddings": SEQ},
+    "recurrent_gemma": {"max_position_embeddings": SEQ},
+    # ZAYA's attention projection convolves q/k over the 2 tokens before and takes half
+    # of each value from the one before (without that halo the probe refuses).
+    "zaya": {"max_position_embeddings": SEQ},
 }
 LAYOUTS = [
     pytest.param({"context": 2}, {}, id="ring2"),
@@ -112,7 +124,8 @@ def packed_and_padded():
 
 # The reference pads each document to a row of its own, and a router's load-balancing
 # loss counts pad tokens: Qwen3-Next's packed and padded rows agree only without it.
-DOC_OVERRIDES = {"bamba": {}, "qwen3_next": {"router_aux_loss_coef": 0.0}, "mamba": {}}
+DOC_OVERRIDES = {"bamba": {}, "qwen3_next": {"router_aux_loss_coef": 0.0}, "mamba": {},
+                 "minimax": {"router_aux_loss_coef": 0.0}, "recurrent_gemma": {}, "zaya": {}}
 
 
 def documents_run(family, degrees, packed):
@@ -134,7 +147,8 @@ def documents_run(family, degrees, packed):
 
 
 @pytest.mark.parametrize(("family", "mode"), [("bamba", "ring"), ("bamba", "ulysses"),
-                                              ("qwen3_next", "ring"), ("mamba", "ring")])
+                                              ("qwen3_next", "ring"), ("mamba", "ring"),
+                                              ("minimax", "ring"), ("recurrent_gemma", "ring")])
 def test_packed_documents_reset_the_state(worlds, family, mode):
     """Packed rows under context 2 give the loss and every parameter's gradient of their
     documents run one per padded row in one process (Bamba: Mamba-2 and its convolution;
@@ -146,6 +160,14 @@ def test_packed_documents_reset_the_state(worlds, family, mode):
     for loss, _ in out:
         assert_losses_close([loss], [want], "packed rows against one document per row")
     assert_same_gradients([g for _, g in out], ref_grads)
+
+
+def test_packed_rows_are_refused_where_a_convolution_cannot_reset(worlds):
+    """ZAYA's projection passes its halo over full rows only: packed rows under context
+    2 refuse at the step, naming why, rather than convolve across a document's start."""
+    out = worlds.run(2, documents_run, "zaya", {"context": 2}, True)
+    assert all(isinstance(o, str) and "neither a cache nor padded or packed rows" in o
+               for o in out), out
 
 
 def test_a_recomputation_under_a_pipeline_refuses_the_model_calls_ids():
@@ -262,20 +284,19 @@ def test_a_boundary_state_from_the_wrong_rank_fails(worlds):
 # ---- bad input: a recurrence no kernel boundary lets paraxis pass -------------------
 
 def test_a_state_that_cannot_be_passed_is_refused_before_any_process_group():
-    """MiniMax's lightning attention computes its recurrence in the module's own code:
-    parallelize refuses it from the module alone, naming the module and why, with no
-    process group created (one process, no ``worlds``)."""
+    """xLSTM's mLSTM computes its recurrence in the module's own code, with no method
+    or state paraxis could hand it: parallelize refuses it from the module alone, naming
+    the module and why, with no process group created (one process, no ``worlds``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
-            "minimax", hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=8, num_hidden_layers=2, vocab_size=128, num_local_experts=2,
-            intermediate_size=32))
+            "xlstm", vocab_size=128, hidden_size=32, num_hidden_layers=2, num_heads=4,
+            chunk_size=8))
     with pytest.raises(ConfigError) as err:
         paraxis.parallelize(model, context=2, train={"seq_length": SEQ})
     text = str(err.value)
-    for part in ("parallelism.context", "MiniMaxLightningAttention (model.layers",
+    for part in ("parallelism.context", "(backbone.blocks",
                  "not through a kernel function", "without the context axis"):
         assert part in text, text
     assert not dist.is_initialized()

@@ -76,9 +76,8 @@ def test_one_process_matches_sdpa(family, mode):
     # DeepSeek's indexed attention is served (test_seq_indexed.py); V4's compressors not.
     ("deepseek_v4", "compressors pool keys and values over blocks"),
     # issue 35: recurrent layers pass their state (paraxis_seq.recurrent) unless their
-    # recurrence is computed inline, with no kernel function to pass it around.
-    ("minimax", "MiniMaxLightningAttention (model.layers.1.self_attn)"),
-    ("recurrent_gemma", "RecurrentGemmaRglru"),
+    # recurrence is computed inline, with no kernel function or method to pass it around
+    # (MiniMax's and RecurrentGemma's are passed now: tests/test_cp_recurrent.py).
     ("xlstm", "mix the sequence in their own code"),
     ("inkling_text", "InklingAttention (model.layers.0.self_attn) passes position_bias="),
     ("gpt2", "attn_pdrop=0.1: attention dropout"),

@@ -82,6 +82,18 @@ DEBUG_CONFIGS: dict[str, dict[str, object]] = {
                    "layer_types": ["linear_attention", "full_attention"]},
     "mamba": {"hidden_size": 32, "num_hidden_layers": 2, "vocab_size": 128, "expand": 1,
               "state_size": 8, "time_step_rank": 8},
+    # Recurrences a module runs in its own forward: MiniMax's lightning attention (blocks
+    # of 12 tokens, which no chunk of a 128-token probe is a multiple of; layer 0 decays
+    # by 0.25..0.004 per token, layer 2 by ~1e-5), attention between, MoE; RecurrentGemma,
+    # two Griffin blocks (a 4-tap convolution, the RG-LRU) then local attention.
+    "minimax": {**_DECODER, "num_hidden_layers": 3, "head_dim": 8, "num_local_experts": 4,
+                "num_experts_per_tok": 2, "block_size": 12,
+                "layer_types": ["linear_attention", "full_attention", "linear_attention"]},
+    "recurrent_gemma": {**_DECODER, "num_hidden_layers": 3, "attention_window_size": 8},
+    # ZAYA: q/k through two causal convolutions and half of each value from the previous
+    # token inside the attention's projection (a halo of 2 tokens), MoE.
+    "zaya": {**_DECODER, "head_dim": 8, "num_experts": 4, "moe_intermediate_size": 16,
+             "router_hidden_size": 16, "layer_types": ["hybrid", "hybrid"]},
 }
 
 

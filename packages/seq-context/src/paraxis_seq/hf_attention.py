@@ -221,7 +221,7 @@ def interceptable(model: nn.Module, anatomy: Anatomy | None = None) -> str | Non
     biased = _biased_attention(model, anatomy)
     if biased:
         return biased
-    if not anatomy.has_attention and not recurrent_mixers(anatomy):
+    if not anatomy.has_attention and not recurrent_mixers(anatomy, model):
         return "no attention module found: the model mixes the sequence some other way"
     unchunked = _chunked_layers_unknown(model, anatomy)
     if unchunked:

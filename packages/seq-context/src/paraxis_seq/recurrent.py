@@ -13,9 +13,11 @@ projections, gates and norms run unchanged on the shard. Fused whole-mixer kerne
 (:data:`FUSED`) answer None there, which sends the mixer down its unfused path; one-token
 cache steps (:data:`STEPS`) refuse, since training builds no cache.
 
-Refused before any process group (:func:`unpassable`), with the modules named: a module
-that mixes the sequence in its own code (RWKV, xLSTM, RecurrentGemma's RG-LRU,
-MiniMax's lightning attention, ZAYA's convolutional attention, a dynamic convolution),
+A module whose recurrence runs in its own forward, of a class in :data:`OWNED` (MiniMax's
+lightning attention, RecurrentGemma's recurrent block, ZAYA's convolutional projection),
+is called through that class's adapter (:mod:`paraxis_seq.state_inline`) instead.
+Refused before any process group (:func:`unpassable`), with the modules named: any other
+module that mixes the sequence in its own code (RWKV, xLSTM, a dynamic convolution),
 since no kernel boundary exists to pass a state across.
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import re
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -35,6 +38,7 @@ from paraxis.parallel.anatomy import Anatomy, is_norm
 from paraxis.parallel.batch import DOC_IDS_KWARG
 from paraxis.parallel.standins import stands_in
 from paraxis_seq.state_exchange import ChunkLayout
+from paraxis_seq.state_inline import ConvolutionalProjection, GriffinBlock, LightningAttention
 from paraxis_seq.state_kernels import (
     ConvolutionHalo,
     MixerCall,
@@ -43,7 +47,7 @@ from paraxis_seq.state_kernels import (
     refuse_step,
 )
 
-__all__ = ["FUSED", "LAYER_KINDS", "PASSED", "STEPS", "ModelCall", "recurrent_mixers",
+__all__ = ["FUSED", "LAYER_KINDS", "OWNED", "PASSED", "STEPS", "ModelCall", "recurrent_mixers",
            "unpassable", "use_state_passing"]
 
 _DELTA_RULE = StateScan(inputs=("query", "key", "value", "g", "beta"), zeroed="value",
@@ -59,6 +63,13 @@ PASSED: dict[str, Any] = {
     "chunk_kimi_delta_attention": _DELTA_RULE,
     "mamba_selective_scan": SelectiveScan(),
 }
+# Mixer class -> the adapter that passes the state of a recurrence it runs in its own
+# forward (paraxis_seq.state_inline), called with that forward.
+OWNED: dict[str, Any] = {
+    "MiniMaxLightningAttention": LightningAttention(),
+    "RecurrentGemmaRecurrentBlock": GriffinBlock(),
+    "ZayaCCAProjection": ConvolutionalProjection(),
+}
 FUSED = ("mamba2_split_conv1d_scan_combined", "mamba_inner_fn")
 STEPS = ("causal_conv1d_update", "mamba2_selective_state_update",
          "mamba_selective_state_update", "torch_recurrent_gated_delta_rule",
@@ -70,14 +81,24 @@ LAYER_KINDS = frozenset({"linear_attention", "conv", "hybrid", "hybrid_sliding",
 # What a module calls when it attends through transformers' attention interface (whose
 # fallback this is): softmax attention, which the context attention function replaces.
 _INTERFACE = "eager_attention_forward"
+# Classes that work token by token whatever the anatomy's broad class rule says: it
+# calls every class of RecurrentGemma a mixer, the family's prefix carrying "Recurrent",
+# and the feed-forward and the rotary embedding (a function of positions) are no layer,
+# norm or attention to be left out by that.
+_PER_TOKEN = re.compile(r"(Mlp|MLP|RotaryEmbedding)$")
 
 
-def recurrent_mixers(anatomy: Anatomy) -> dict[str, tuple[str, ...]]:
+def recurrent_mixers(anatomy: Anatomy, model: nn.Module | None = None,
+                     ) -> dict[str, tuple[str, ...]]:
     """Mixer name -> the kernel functions of it to replace, for every mixer calling one
-    of :data:`PASSED`."""
+    of :data:`PASSED`; none for a module of ``model`` whose class is :data:`OWNED` (a
+    mixer, or what holds one: ZAYA's projection holds its convolutions)."""
     swapped = set(PASSED) | set(FUSED) | set(STEPS)
-    return {name: tuple(sorted(set(calls) & swapped)) for name, calls in anatomy.mixer_calls
-            if set(calls) & set(PASSED)}
+    passing = {name: tuple(sorted(set(calls) & swapped)) for name, calls in anatomy.mixer_calls
+               if set(calls) & set(PASSED)}
+    held = {} if model is None else dict(model.named_modules())
+    return passing | {name: () for name, module in held.items()
+                      if type(module).__name__ in OWNED}
 
 
 def unpassable(model: nn.Module, anatomy: Anatomy) -> str | None:
@@ -85,9 +106,9 @@ def unpassable(model: nn.Module, anatomy: Anatomy) -> str | None:
     (None: every one can, or is attention). Sequence mixers are the anatomy's; a module
     holding a passing mixer, a layer or attention (a block, the model), a norm, or a part
     of a passing mixer is not one itself."""
-    passing = recurrent_mixers(anatomy)
-    calls = dict(anatomy.mixer_calls)
     held = dict(model.named_modules())
+    passing = recurrent_mixers(anatomy, model)
+    calls = dict(anatomy.mixer_calls)
     layers = [anatomy.layer_name(i) for i in range(anatomy.num_layers)]
     inline: dict[str, str] = {}
     for name in anatomy.mixers:
@@ -95,7 +116,8 @@ def unpassable(model: nn.Module, anatomy: Anatomy) -> str | None:
         if module is None or name in passing or is_norm(module) or \
                 _INTERFACE in calls.get(name, ()) or name in layers or \
                 any(_contains(p, name) or _contains(name, p) for p in passing) or \
-                any(_contains(name, p) for p in layers):
+                any(_contains(name, p) for p in layers) or \
+                _PER_TOKEN.search(type(module).__name__):
             continue
         inline.setdefault(type(module).__name__, name)
     if not inline:
@@ -122,7 +144,7 @@ def use_state_passing(model: nn.Module, group: Any, *, anatomy: Anatomy,
     chunks = ChunkLayout(group, layout)
     call = ModelCall(pipelined)
     wrapped = []
-    for name, kernels in recurrent_mixers(anatomy).items():
+    for name, kernels in recurrent_mixers(anatomy, model).items():
         try:
             module = model.get_submodule(name)
         except AttributeError:  # another pipeline stage's
@@ -130,10 +152,12 @@ def use_state_passing(model: nn.Module, group: Any, *, anatomy: Anatomy,
         if stands_in(module):
             continue
         module.forward = StatePassing(module, kernels, chunks, documents, call)
-        for child in module.modules():
+        owned = type(module).__name__ in OWNED
+        for child in () if owned else module.modules():
             if isinstance(child, nn.Conv1d):
                 child.register_forward_pre_hook(functools.partial(_conv_called, name))
-        module.paraxis_context = f"state passed across ranks ({', '.join(kernels)})"
+        module.paraxis_context = "state passed across ranks " + \
+            (f"({type(module).__name__}'s own forward)" if owned else f"({', '.join(kernels)})")
         wrapped.append(name)
     if wrapped:
         model.register_forward_pre_hook(call.record, with_kwargs=True)
@@ -186,6 +210,7 @@ class StatePassing:
     def __init__(self, module: nn.Module, kernels: tuple[str, ...], chunks: ChunkLayout,
                  documents: Any = None, model_call: ModelCall | None = None) -> None:
         self.forward, self.chunks, self.documents = module.forward, chunks, documents
+        self.module, self.owned = module, OWNED.get(type(module).__name__)
         self.owner, self.model_call = type(module).__name__, model_call or ModelCall(False)
         self.kernels = [(scope, name, scope[name]) for name in kernels
                         for scope in _scopes(type(module), name)]
@@ -196,6 +221,8 @@ class StatePassing:
             hidden = args[0] if args else next(iter(kwargs.values()))
             documents = self.model_call.documents(self.owner, hidden)
         call = MixerCall(self.chunks, documents)
+        if self.owned is not None:
+            return self.owned(self.module, self.forward, call, *args, **kwargs)
         with _swapped([(scope, name, _adapter(name, original, call))
                        for scope, name, original in self.kernels]):
             return self.forward(*args, **kwargs)

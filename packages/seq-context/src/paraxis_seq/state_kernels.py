@@ -122,7 +122,7 @@ class StateScan(_Chunked):
     inputs: tuple[str, ...]
     zeroed: str
     state: str
-    final: str
+    final: str | None
     transition: str
     pair: bool = False
     seq_dim: int = 1
@@ -147,7 +147,7 @@ class StateScan(_Chunked):
             t = checkpoint(self.chunk_transition, run, pieces[j], final, use_reentrant=False)
             if first is not None:  # a row with a document start inside: no state crosses
                 single = first == pieces[j][self.inputs[0]].shape[self.seq_dim]
-                t = t * single.to(t.dtype).view(-1, *[1] * (t.dim() - 1))
+                t = t * single.to(t.device, t.dtype).view(-1, *[1] * (t.dim() - 1))
             transitions.append(t)
         carry = None if ids is None else carried(ids, call.chunks)
         states, gathered = entering_states(exits, transitions, call.chunks, self.apply, carry)
@@ -219,12 +219,12 @@ class _Runner:
     kernel takes no initial state), returning (output, final state)."""
 
     original: Callable
-    final: str
+    final: str | None  # None: the kernel always returns its final state
     state: str | None
 
     def __call__(self, piece: Named, initial: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        named = {**piece, self.final: True}
+        named = dict(piece) if self.final is None else {**piece, self.final: True}
         if self.state is not None:
             named[self.state] = initial
         elif initial is not None:
