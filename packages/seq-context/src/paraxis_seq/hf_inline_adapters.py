@@ -126,7 +126,9 @@ def trocr_positions(module: nn.Module, attend: Attend, input_ids: torch.Tensor,
 def xglm_forward(module: nn.Module, attend: Attend, hidden_states: torch.Tensor,
                  key_value_states: Any = None, cache: Any = None,
                  attention_mask: Any = None, **kwargs: Any) -> tuple:
+    # XGLM's and TrOCR's attention (TrOCR's decoder layer asks for output_attentions).
     _refuse(module, "key_value_states (cross-attention)", key_value_states)
+    _refuse(module, "output_attentions", kwargs.get("output_attentions"))
     _refuse_cache(module, cache)
     b, s, _ = hidden_states.shape
     q = module.q_proj(hidden_states) * module.scaling  # scaled first, as XGLM does
