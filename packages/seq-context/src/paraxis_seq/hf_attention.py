@@ -132,8 +132,7 @@ def attention_function(group: Any, *, mode: str = "ring", layout: str = "zigzag"
         adapter = adapter_of(module)
         if adapter is not None and adapter.queries is not None:
             here = query.shape[2]
-            query = adapter.queries(module, query, torch.arange(here), positions(
-                here * group.size, group.size, group.rank, layout))
+            query = adapter.queries(module, query, torch.arange(here), shard_positions(here))
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
         common = dict(group=group, causal=bool(causal), scale=scaling,
                       window=sliding_window, layout=layout, dropout=dropout, documents=docs,
@@ -147,6 +146,15 @@ def attention_function(group: Any, *, mode: str = "ring", layout: str = "zigzag"
             out = ulysses_attention(q, k, v, attention=kernel, selected=selected, **common)
         return out, None
 
+    def shard_positions(here: int) -> torch.Tensor:
+        return positions(here * group.size, group.size, group.rank, layout)
+
+    # For the inline adapters (paraxis_seq.hf_inline): families that number their tokens
+    # from the length of the input they see read this rank's true positions, and
+    # BigBird (the whole sequence's length) and XLM (its rows' non-pad counts) read
+    # the group.
+    context_attention.shard_positions = shard_positions  # type: ignore[attr-defined]
+    context_attention.group = group  # type: ignore[attr-defined]
     context_attention.__qualname__ = f"context_attention[{mode}, {layout}]"
     return context_attention
 
