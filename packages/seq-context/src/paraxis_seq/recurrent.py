@@ -83,9 +83,9 @@ LAYER_KINDS = frozenset({"linear_attention", "conv", "hybrid", "hybrid_sliding",
 _INTERFACE = "eager_attention_forward"
 # Classes that work token by token whatever the anatomy's broad class rule says: it
 # calls every class of RecurrentGemma a mixer, the family's prefix carrying "Recurrent",
-# and the feed-forward and the rotary embedding (a function of positions) are no layer,
-# norm or attention to be left out by that.
-_PER_TOKEN = re.compile(r"(Mlp|MLP|RotaryEmbedding)$")
+# and xLSTM's "xLSTM" prefix the same; the feed-forward and the rotary embedding (a
+# function of positions) are no layer, norm or attention to be left out by that.
+_PER_TOKEN = re.compile(r"(Mlp|MLP|FeedForward|RotaryEmbedding)$")
 
 
 def recurrent_mixers(anatomy: Anatomy, model: nn.Module | None = None,
