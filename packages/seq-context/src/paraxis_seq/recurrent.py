@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import re
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -81,11 +80,6 @@ LAYER_KINDS = frozenset({"linear_attention", "conv", "hybrid", "hybrid_sliding",
 # What a module calls when it attends through transformers' attention interface (whose
 # fallback this is): softmax attention, which the context attention function replaces.
 _INTERFACE = "eager_attention_forward"
-# Classes that work token by token whatever the anatomy's broad class rule says: it
-# calls every class of RecurrentGemma a mixer, the family's prefix carrying "Recurrent",
-# and xLSTM's "xLSTM" prefix the same; the feed-forward and the rotary embedding (a
-# function of positions) are no layer, norm or attention to be left out by that.
-_PER_TOKEN = re.compile(r"(Mlp|MLP|FeedForward|RotaryEmbedding)$")
 
 
 def recurrent_mixers(anatomy: Anatomy, model: nn.Module | None = None,
@@ -116,8 +110,7 @@ def unpassable(model: nn.Module, anatomy: Anatomy) -> str | None:
         if module is None or name in passing or is_norm(module) or \
                 _INTERFACE in calls.get(name, ()) or name in layers or \
                 any(_contains(p, name) or _contains(name, p) for p in passing) or \
-                any(_contains(name, p) for p in layers) or \
-                _PER_TOKEN.search(type(module).__name__):
+                any(_contains(name, p) for p in layers):
             continue
         inline.setdefault(type(module).__name__, name)
     if not inline:

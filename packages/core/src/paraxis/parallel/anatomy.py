@@ -48,6 +48,9 @@ _GATES = frozenset({"gate_proj", "gate_up_proj", "w1"})
 # is safe; a mixer missed would see one rank's shard of the sequence).
 _MIXER_CLASS = re.compile(r"Mamba|Mixer|GatedDeltaNet|LinearAttention|ShortConv|Recurrent|"
                           r"Rwkv|RWKV|LSTM|Lightning|CrossAttention")
+# ... but not a family's per-token classes the family prefix alone matched
+# (RecurrentGemmaMlp, xLSTMFeedForward, a rotary embedding: a function of positions).
+_PER_TOKEN_CLASS = re.compile(r"(Mlp|MLP|FeedForward|RotaryEmbedding)$")
 _ATTENTION_CLASS = re.compile(r"Attention|Attn|MLA")
 _NORM_CLASS = re.compile(r"Norm")
 # The method a module defines to declare its own anatomy.
@@ -71,7 +74,9 @@ def is_sequence_mixer(module: nn.Module) -> bool:
     """A module that mixes the sequence outside softmax self-attention, by its class (a
     state-space scan, linear or lightning attention, a recurrence, a convolution over
     positions, or attention to another sequence)."""
-    return isinstance(module, nn.Conv1d) or bool(_MIXER_CLASS.search(type(module).__name__))
+    name = type(module).__name__
+    return isinstance(module, nn.Conv1d) or (
+        bool(_MIXER_CLASS.search(name)) and not _PER_TOKEN_CLASS.search(name))
 
 
 def is_norm(module: nn.Module) -> bool:
