@@ -49,7 +49,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
             meta = prepare(rows, args.out, load_tokenizer=load_tokenizer,
                            tokenizer_name=args.tokenizer, source=args.source,
                            workers=args.workers, progress=progress, rows=cfg.format,
-                           encoding=encoding)
+                           encoding=encoding, tokenizer=tokenizer)
         except KeyError as exc:
             print(f"paraxis data prepare: rows of {args.source} have no field {exc}; set "
                   "--text-field", file=sys.stderr)

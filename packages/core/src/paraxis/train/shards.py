@@ -128,17 +128,23 @@ def _encoded(records: Iterable[Any], encoding: Encoding, workers: int, chunk: in
 
 def prepare(documents: Iterable[Any], out: str | Path, *, load_tokenizer: Any,
             tokenizer_name: str, source: str, workers: int = 1, progress: Any = None,
-            rows: str = "text", encoding: Encoding | None = None) -> dict[str, Any]:
+            rows: str = "text", encoding: Encoding | None = None,
+            tokenizer: Any = None) -> dict[str, Any]:
     """Tokenize ``documents`` into ``out`` (created; existing files are replaced) with
-    ``load_tokenizer(tokenizer_name)`` in each worker, or, for fine-tuning ``rows``
-    (prompt_response, chat), the records with ``encoding``; ``progress(documents,
-    tokens)`` is called as they are written. Returns the metadata."""
-    tokenizer = load_tokenizer(tokenizer_name)
+    ``load_tokenizer(tokenizer_name)`` (``tokenizer`` when the caller loaded it already),
+    or, for fine-tuning ``rows`` (prompt_response, chat), the records with
+    ``encoding``; ``progress(documents, tokens)`` is called as they are written.
+    Returns the metadata."""
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(tokenizer_name)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
     sep = np.array([tokenizer.separator], dtype=dtype)
     ends, written = [], 0
+    if encoding is None and (workers <= 1 or _start_method() == "fork"):
+        # The tokenizer loaded above, inherited: loading one takes about a second (a 32k
+        # BPE here), as long as tokenizing 8 MB, and each worker would load its own.
+        encoding = (_TextEncoding, (tokenizer,))
     encoding = encoding or (text_encoding, (load_tokenizer, tokenizer_name))
     masked = rows != "text"
     with (out / TOKENS).open("wb") as f, (out / LOSS_MASK).open("wb") as m:
