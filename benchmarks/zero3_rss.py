@@ -33,6 +33,7 @@ GB = 1e9
 def config(args: argparse.Namespace, root: Path) -> dict:
     return {
         "parallelism": {"data": args.ranks, "zero": 3},
+        "schedule": {"activation_checkpointing": args.activation_checkpointing},
         "model": {"family": "llama", "config": {
             "hidden_size": args.hidden, "intermediate_size": args.intermediate,
             "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
@@ -101,6 +102,8 @@ def main() -> int:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--activation-checkpointing", default="none",
+                   choices=("none", "selective", "full"))
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args()
     n = parameters(args)
@@ -126,9 +129,12 @@ def main() -> int:
     rows = [f"| {r} | {peaks[r] / GB:.3f} | {peaks[r] / (4 * n):.3f} |" for r in sorted(peaks)]
     worst = max(peaks.values())
     ok = worst <= bound
+    ac = args.activation_checkpointing
+    title = "" if ac == "none" else f", activation checkpointing {ac}"
+    flag = "" if ac == "none" else f" --activation-checkpointing {ac}"
     text = "\n".join([
-        "## ZeRO-3 peak RSS per rank through `paraxis train` (issue 36, item 5)", "",
-        f"`python benchmarks/zero3_rss.py` (Llama from config: {n / 1e9:.2f}B parameters, "
+        f"## ZeRO-3 peak RSS per rank through `paraxis train` (issue 36, item 5){title}", "",
+        f"`python benchmarks/zero3_rss.py{flag}` (Llama from config: {n / 1e9:.2f}B parameters, "
         f"hidden {args.hidden}, intermediate {args.intermediate}, {args.layers} layers, "
         f"vocabulary {args.vocab}; whole model {4 * n / GB:.2f} GB in fp32; ZeRO-3 over "
         f"data {args.ranks}, {args.steps} steps of {args.ranks} x {args.seq} tokens, no "
@@ -141,8 +147,9 @@ def main() -> int:
         f"{bound / GB:.3f} GB: {'met' if ok else 'not met'}."])
     print(text)
     if not args.no_write:
-        write_section("zero3_rss", text, {"peaks": peaks, "parameters": n,
-                                          "bound": bound, "wall_s": wall})
+        name = "zero3_rss" + ("" if ac == "none" else f"_{ac}")
+        write_section(name, text, {"peaks": peaks, "parameters": n, "bound": bound,
+                                   "wall_s": wall})
     return 0 if ok else 1
 
 

@@ -139,3 +139,39 @@ def test_a_split_buffer_saved_on_two_ranks_loads_whole_on_one(worlds, tmp_path):
     assert [h.tolist() for h in halves] == [[10.0, 11.0], [12.0, 13.0]]
     whole = worlds.run(1, split_buffer_saved_then_loaded, str(tmp_path), 1)[0]
     assert whole.tolist() == [10.0, 11.0, 12.0, 13.0]
+
+
+def snapshot_sharing() -> tuple[int, int, int, bool]:
+    from paraxis.checkpoint.write import snapshot
+
+    init_distributed()
+    grid = Grid.build(ParallelConfig())
+    state = _state(0, grid)
+    held = {t.data_ptr() for p in state.model.parameters()
+            for t in (p, *state.optimizer.state[p].values()) if t.numel() > 1}
+    synchronous = snapshot(state, copy=False)
+    background = snapshot(state)
+    shared = sum(t.data_ptr() in held for t in synchronous.tensors.values())
+    copied = sum(t.data_ptr() in held for t in background.tensors.values())
+    # Two views of one storage, the second overlapping the first: it must be copied
+    # (safetensors refuses overlapping tensors), the first kept.
+    flat = torch.arange(6.0)
+    tied = nn.Sequential(nn.Linear(2, 3, bias=False), nn.Linear(3, 2, bias=False))
+    tied[0].weight.data = flat.view(3, 2)
+    tied[1].weight.data = flat.view(2, 3)
+    record_replicated(tied)
+    overlap = StateRecord(model=tied, optimizer=torch.optim.SGD(tied.parameters(), lr=0.1),
+                          grid=grid, config=ParallelConfig(), step=1, data_state={})
+    kept = snapshot(overlap, copy=False).tensors
+    ptrs = [t.data_ptr() for k, t in kept.items() if k.startswith("model/")]
+    grid.destroy()
+    return shared, copied, len(held), ptrs.count(flat.data_ptr()) == 1
+
+
+def test_the_synchronous_save_writes_host_tensors_without_copying_them(worlds):
+    """The synchronous save keeps contiguous host tensors as they are (a copy doubled a
+    CPU run's model state while it saved: the peak of a ZeRO-3 run, issue 36); the
+    background save copies everything, since training goes on while it writes."""
+    shared, copied, held, one_kept = worlds.run(1, snapshot_sharing)[0]
+    assert shared == held > 0 and copied == 0
+    assert one_kept

@@ -24,6 +24,12 @@ function of (seed, name, element), or slices of a file): then ``fill`` (the
 materializer's, ``paraxis.parallel.strategy.MATERIALIZE_ATTR``) writes this rank's
 chunk straight into the shard buffer, and the whole tensor never exists on the rank.
 
+A group holding one parameter split along dim 0 (the embedding, the head: the largest
+tensors a rank gathers whole) is its own rank-major buffer: it is gathered straight into
+its full buffer (padded to whole chunks; the parameter is a view of its real rows) and
+a whole fp32 gradient is reduce-scattered from where autograd left it, so neither
+direction holds a second whole copy of it (FSDP2 copies out per parameter always).
+
 Gradients: when backward has produced every trainable parameter's gradient, they are
 copied rank-major into a send buffer and freed, and one reduce-scatter per group
 averages them into the unit's flat gradient buffer, whose views become the shards'
@@ -81,6 +87,12 @@ class _Flat:
     def numel(self) -> int:
         return sum(math.prod(shape) for shape in self.layout.shapes)
 
+    @property
+    def direct(self) -> bool:
+        """One parameter split along dim 0: the rank-major buffer is its natural layout,
+        padded at the end."""
+        return len(self.layout.params) == 1 and self.layout.prefix[0] == 1
+
     def gather_dtype(self, compute: torch.dtype | None) -> torch.dtype:
         """What the unit is held in for a forward computing in ``compute``: that dtype
         when it is narrower than the master's, else the master's."""
@@ -92,7 +104,8 @@ class _Flat:
 
     def full(self, dtype: torch.dtype) -> torch.Tensor:
         if dtype not in self.fulls:
-            full = torch.empty(self.numel, dtype=dtype, device=self.shard.device)
+            numel = self.layout.group.size * self.layout.per_rank if self.direct else self.numel
+            full = torch.empty(numel, dtype=dtype, device=self.shard.device)
             full.untyped_storage().resize_(0)
             self.fulls[dtype] = full
         return self.fulls[dtype]
@@ -121,6 +134,13 @@ class _Flat:
                 view.add_(p.grad)
             out.append(view)
         return out
+
+
+def _sendable(grad: torch.Tensor | None, numel: int, dtype: torch.dtype) -> bool:
+    """A whole gradient that is already a rank-major send buffer (no padding, the
+    master dtype, contiguous)."""
+    return grad is not None and grad.numel() == numel and grad.dtype == dtype \
+        and grad.is_contiguous()
 
 
 def _empty(numel: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -190,7 +210,8 @@ class ShardedUnit:
             full = f.full(dtype)
             full.untyped_storage().resize_(full.numel() * full.element_size())
             part = f.shard if f.shard.dtype == dtype else f.shard.to(dtype)
-            f.gathered = _empty(f.layout.group.size * f.layout.per_rank, f.shard, dtype)
+            f.gathered = full if f.direct else \
+                _empty(f.layout.group.size * f.layout.per_rank, f.shard, dtype)
             work = all_gather_into(f.gathered, part, f.layout.group, async_op=True)
             assert work is not None
             self.pending.append(work)
@@ -209,8 +230,9 @@ class ShardedUnit:
         for f in self.flats:
             assert f.gathered is not None
             wholes = f.wholes(f.gathered.dtype)
-            for i, whole in enumerate(wholes):
-                f.layout.from_rank_major(f.gathered, i, whole)
+            if not f.direct:
+                for i, whole in enumerate(wholes):
+                    f.layout.from_rank_major(f.gathered, i, whole)
             f.gathered = None
             for p, whole in zip(f.layout.params, wholes, strict=True):
                 p.data = whole
@@ -262,9 +284,14 @@ class ShardedUnit:
             if not f.trainable:
                 continue
             n = f.layout.group.size
-            f.send = _empty(n * f.layout.per_rank, f.shard)
-            for i, grad in enumerate(f.whole_grads()):
-                f.layout.to_rank_major(f.send, i, grad)
+            grads = f.whole_grads()
+            if f.direct and _sendable(grads[0], n * f.layout.per_rank, f.shard.dtype):
+                assert grads[0] is not None
+                f.send = grads[0].view(-1)
+            else:
+                f.send = _empty(n * f.layout.per_rank, f.shard)
+                for i, grad in enumerate(grads):
+                    f.layout.to_rank_major(f.send, i, grad)
             for p in f.layout.params:
                 p.grad = None
             f.acc = None

@@ -12,15 +12,19 @@ whole run and reports the outcome in a few lines.
   resumes from the checkpoint directory's ``latest`` (the gap is at most
   ``train.checkpoint_every`` steps).
 * On a machine without CUDA the workers start with glibc's ``MALLOC_MMAP_THRESHOLD_``
-  and ``MALLOC_TRIM_THRESHOLD_`` at 1 MiB (:func:`worker_environment`, issue 36): glibc
-  raises its mmap threshold to each large block freed (up to 32 MiB), so the layers
-  ZeRO-3 gathers and frees every step, and every gradient and activation below that,
-  come from the heap afterwards and their pages stay with the process; a 0.5B Llama
-  under ZeRO-3 over 8 ranks peaked at 0.90 of the whole fp32 model per rank, where
-  model state is 0.50. A fixed threshold turns the adjustment off: blocks of 1 MiB and
-  more are mapped and unmapped, and the heap is trimmed above 1 MiB free. A value
-  already in the environment is kept. glibc reads them when a process starts, so a
-  worker forked from the launcher applies them itself with mallopt
+  and ``MALLOC_TRIM_THRESHOLD_`` at 128 KiB (:func:`worker_environment`, issue 36):
+  glibc raises its mmap threshold to each large block freed (up to 32 MiB), so the
+  layers ZeRO-3 gathers and frees every step, and every gradient and activation below
+  that, come from the heap afterwards and their pages stay with the process; a 0.5B
+  Llama under ZeRO-3 over 8 ranks peaked at 0.90 of the whole fp32 model per rank, where
+  model state is 0.50. A fixed threshold turns the adjustment off: blocks of 128 KiB and
+  more are mapped and unmapped, and the heap is trimmed above 128 KiB free. At 1 MiB the
+  heap's free chunks between live ones (activations of a few hundred KiB) reached 136
+  MB after four ZeRO-3 steps of a 0.17B Llama over 8 ranks; at 128 KiB they stay under
+  2 MB, for a step time of 0.991
+  [0.971-1.004] of 1 MiB's (``benchmarks/malloc_threshold.py``). A value already in the
+  environment is kept. glibc reads them when a process starts, so a worker forked from
+  the launcher applies them itself with mallopt
   (:func:`paraxis.train.forked.malloc_from_environment`).
 """
 
@@ -48,7 +52,8 @@ __all__ = ["MALLOC_DEFAULTS", "LaunchOptions", "add_launch_arguments", "run_work
 
 DEFAULT_PORT = "29500"
 # glibc's allocator, fixed for CPU workers (see the module docstring): bytes.
-MALLOC_DEFAULTS = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 20)}
+MALLOC_DEFAULTS = {"MALLOC_MMAP_THRESHOLD_": str(128 << 10),
+                   "MALLOC_TRIM_THRESHOLD_": str(128 << 10)}
 
 
 def worker_environment(env: dict[str, str], *, cuda: bool) -> dict[str, str]:
