@@ -21,8 +21,8 @@ whole run and reports the outcome in a few lines.
   more are mapped and unmapped, and the heap is trimmed above 128 KiB free. At 1 MiB the
   heap's free chunks between live ones (activations of a few hundred KiB) reached 136
   MB after four ZeRO-3 steps of a 0.17B Llama over 8 ranks; at 128 KiB they stay under
-  2 MB, for a step time of 0.991
-  [0.971-1.004] of 1 MiB's (``benchmarks/malloc_threshold.py``). A value already in the
+  2 MB, for a step time of 1.001 [0.991-1.007] of 1 MiB's
+  (``benchmarks/malloc_threshold.py``; 0.991 on a first run). A value already in the
   environment is kept. glibc reads them when a process starts, so a worker forked from
   the launcher applies them itself with mallopt
   (:func:`paraxis.train.forked.malloc_from_environment`).
