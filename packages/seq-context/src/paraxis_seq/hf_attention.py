@@ -138,8 +138,9 @@ def attention_function(group: Any, *, mode: str = "ring", layout: str = "zigzag"
                       window=sliding_window, layout=layout, dropout=dropout, documents=docs,
                       chunk=chunk_of(module), **variant)
         # DSA's selection: the ring's rows are this rank's queries, Ulysses' all of them.
-        selected = _selected(module, indices, q.shape[1], group,
-                             layout if mode == "ring" else None)
+        selected = None if indices is None else _selected(
+            module, indices, q.shape[1] * group.size,
+            shard_positions(q.shape[1]) if mode == "ring" else None)
         if mode == "ring":
             out = ring_attention(q, k, v, selected=selected, **common)
         else:
@@ -159,23 +160,19 @@ def attention_function(group: Any, *, mode: str = "ring", layout: str = "zigzag"
     return context_attention
 
 
-def _selected(module: nn.Module, indices: torch.Tensor | None, here: int, group: Any,
-              layout: str | None) -> torch.Tensor | None:
+def _selected(module: nn.Module, indices: torch.Tensor, whole: int,
+              rows: torch.Tensor | None) -> torch.Tensor:
     """DSA's mask of selected keys (:func:`paraxis_seq.indexed.selection`) from the indices
-    of every query of the sequence: for this rank's ``here`` queries (in ``layout``), or
-    with ``layout=None`` for all of them in true order; None without indices."""
-    if indices is None:
-        return None
-    whole = here * group.size
+    of every query of the ``whole`` sequence: for the queries at positions ``rows`` (this
+    rank's, the ring's), or with ``rows=None`` for all of them in true order."""
     if indices.shape[1] != whole:
         raise ValueError(
             f"{type(module).__name__} passed indices= for {indices.shape[1]} queries, not "
             f"the sequence's {whole}: its indexer ranked only this rank's shard of the "
             "keys (a module paraxis_seq.indexed did not wrap; DeepSeek's sparse attention "
             "needs the selection over the whole sequence)")
-    if layout is not None:
-        rows = positions(whole, group.size, group.rank, layout).to(indices.device)
-        indices = indices.index_select(1, rows)
+    if rows is not None:
+        indices = indices.index_select(1, rows.to(indices.device))
     return selection(indices, whole)
 
 

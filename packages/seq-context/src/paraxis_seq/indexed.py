@@ -37,7 +37,7 @@ from torch import nn
 
 from paraxis.parallel.batch import DOC_IDS_KWARG
 from paraxis.runtime.collectives import gather_along
-from paraxis_seq.zigzag import shard_order
+from paraxis_seq.zigzag import in_true_order
 
 __all__ = ["NO_MASK", "GatheredSelection", "indexed_modules", "selection",
            "use_gathered_indexers"]
@@ -95,12 +95,8 @@ class GatheredSelection:
 
     def _whole(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's ``x`` (sequence on dim 1) in the sequence's true order."""
-        n = self.group.size
         gathered = gather_along(x.detach().contiguous(), 1, self.group)
-        if self.layout == "contiguous" or n == 1:
-            return gathered
-        back = shard_order(x.shape[1] * n, n, self.layout).argsort().to(x.device)
-        return gathered.index_select(1, back)
+        return in_true_order(gathered, self.group.size, layout=self.layout)
 
     def _select(self, indexer: Any, docs: torch.Tensor | None, hidden_states: torch.Tensor,
                 q_resid: torch.Tensor, position_embeddings: tuple[torch.Tensor, ...],

@@ -22,6 +22,7 @@ import torch
 __all__ = [
     "LAYOUTS",
     "check_layout",
+    "in_true_order",
     "positions",
     "shard",
     "shard_order",
@@ -82,9 +83,15 @@ def shard(x: torch.Tensor, *, size: int, rank: int, layout: str = "zigzag",
 def unshard(parts: Sequence[torch.Tensor], *, layout: str = "zigzag",
             dim: int = 1) -> torch.Tensor:
     """Inverse of :func:`shard`: every rank's part, in rank order, back to the sequence."""
-    gathered = torch.cat(list(parts), dim=dim)
-    if layout == "contiguous":
-        check_layout(gathered.shape[dim], len(parts), layout)
+    return in_true_order(torch.cat(list(parts), dim=dim), len(parts), layout=layout, dim=dim)
+
+
+def in_true_order(gathered: torch.Tensor, size: int, *, layout: str = "zigzag",
+                  dim: int = 1) -> torch.Tensor:
+    """``size`` ranks' parts concatenated in rank order along ``dim`` (what an
+    all-gather delivers), back to the sequence's true order."""
+    if layout == "contiguous" or size == 1:
+        check_layout(gathered.shape[dim], size, layout)
         return gathered
-    order = shard_order(gathered.shape[dim], len(parts), layout).to(gathered.device)
+    order = shard_order(gathered.shape[dim], size, layout).to(gathered.device)
     return gathered.index_select(dim, order.argsort())

@@ -88,6 +88,11 @@ class _Flat:
         return sum(math.prod(shape) for shape in self.layout.shapes)
 
     @property
+    def padded(self) -> int:
+        """Elements of the rank-major buffer: every rank's chunks."""
+        return self.layout.group.size * self.layout.per_rank
+
+    @property
     def direct(self) -> bool:
         """One parameter split along dim 0: the rank-major buffer is its natural layout,
         padded at the end."""
@@ -104,7 +109,7 @@ class _Flat:
 
     def full(self, dtype: torch.dtype) -> torch.Tensor:
         if dtype not in self.fulls:
-            numel = self.layout.group.size * self.layout.per_rank if self.direct else self.numel
+            numel = self.padded if self.direct else self.numel
             full = torch.empty(numel, dtype=dtype, device=self.shard.device)
             full.untyped_storage().resize_(0)
             self.fulls[dtype] = full
@@ -136,11 +141,13 @@ class _Flat:
         return out
 
 
-def _sendable(grad: torch.Tensor | None, numel: int, dtype: torch.dtype) -> bool:
-    """A whole gradient that is already a rank-major send buffer (no padding, the
-    master dtype, contiguous)."""
-    return grad is not None and grad.numel() == numel and grad.dtype == dtype \
-        and grad.is_contiguous()
+def _as_send(grad: torch.Tensor | None, f: _Flat) -> torch.Tensor | None:
+    """A direct flat's whole gradient as its send buffer, when it already is one (no
+    padding, the master dtype, contiguous); else None."""
+    if grad is None or grad.numel() != f.padded or grad.dtype != f.shard.dtype \
+            or not grad.is_contiguous():
+        return None
+    return grad.view(-1)
 
 
 def _empty(numel: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -210,8 +217,7 @@ class ShardedUnit:
             full = f.full(dtype)
             full.untyped_storage().resize_(full.numel() * full.element_size())
             part = f.shard if f.shard.dtype == dtype else f.shard.to(dtype)
-            f.gathered = full if f.direct else \
-                _empty(f.layout.group.size * f.layout.per_rank, f.shard, dtype)
+            f.gathered = full if f.direct else _empty(f.padded, f.shard, dtype)
             work = all_gather_into(f.gathered, part, f.layout.group, async_op=True)
             assert work is not None
             self.pending.append(work)
@@ -283,13 +289,10 @@ class ShardedUnit:
         for f in self.flats:
             if not f.trainable:
                 continue
-            n = f.layout.group.size
             grads = f.whole_grads()
-            if f.direct and _sendable(grads[0], n * f.layout.per_rank, f.shard.dtype):
-                assert grads[0] is not None
-                f.send = grads[0].view(-1)
-            else:
-                f.send = _empty(n * f.layout.per_rank, f.shard)
+            f.send = _as_send(grads[0], f) if f.direct else None
+            if f.send is None:
+                f.send = _empty(f.padded, f.shard)
                 for i, grad in enumerate(grads):
                     f.layout.to_rank_major(f.send, i, grad)
             for p in f.layout.params:

@@ -97,7 +97,8 @@ def snapshot(state: TrainState, *, copy: bool = True) -> Snapshot:
         t = t.detach()
         as_is = not copy and t.device.type == "cpu" and t.is_contiguous() \
             and kept.add(t.data_ptr(), t.numel() * t.element_size())
-        out.tensors[key] = t if as_is else t.to("cpu", copy=True).contiguous()
+        out.tensors[key] = t if as_is else t.to(
+            "cpu", copy=True, memory_format=torch.contiguous_format)
         out.entries[key] = {"shape": shape, "dtype": str(t.dtype).removeprefix("torch."),
                             "offsets": offsets, "whole": whole}
 

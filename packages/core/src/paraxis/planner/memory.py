@@ -180,7 +180,7 @@ def rank_memory(counts: ModelCounts, layout: ParallelConfig, work: Workload,
     # ZeRO keeps an embedding tied across pipeline stages whole, on the first and last.
     tied = counts.embedding / t if counts.tied and p > 1 and (first or last) else 0.0
     n_dense, n_expert = shard_group_sizes(layout)
-    trainable = sum(_trainable(c, t) for c in layers) if counts.lora_rank else None
+    trainable = rank_trainable(counts, layers, t)
     weights, grads, optim = model_state_bytes(
         dense - tied, expert, whole=tied, zero=par.zero, n_dense=n_dense,
         n_expert=n_expert, precision=work.precision, optimizer_bytes=work.optimizer_bytes,
@@ -193,19 +193,19 @@ def rank_memory(counts: ModelCounts, layout: ParallelConfig, work: Workload,
     return Memory(rank, weights, grads, optim, acts, buffers, notes)
 
 
-def _trainable(c: LayerCount, t: int) -> float:
-    """A LoRA layer's adapter parameters on one tensor rank."""
-    return (c.adapters - c.adapters_whole) / t + c.adapters_whole
+def rank_trainable(counts: ModelCounts, layers: list[LayerCount], t: int) -> float | None:
+    """The parameters with a gradient among ``layers`` on one tensor rank when others
+    are frozen (a LoRA run's adapters); None when every parameter trains."""
+    if not counts.lora_rank:
+        return None
+    return sum((c.adapters - c.adapters_whole) / t + c.adapters_whole for c in layers)
 
 
 def most_trainable(counts: ModelCounts, layout: ParallelConfig) -> float | None:
-    """The most trainable parameters a pipeline rank holds when others are frozen (a
-    LoRA run's adapters on one tensor rank); None when every parameter trains."""
-    if not counts.lora_rank:
-        return None
-    t = layout.parallelism.tensor
-    return max(sum(_trainable(c, t) for c in rank_layers(counts, layout, r))
-               for r in range(layout.parallelism.pipeline))
+    """The most :func:`rank_trainable` parameters a pipeline rank holds."""
+    per_rank = [rank_trainable(counts, rank_layers(counts, layout, r), layout.parallelism.tensor)
+                for r in range(layout.parallelism.pipeline)]
+    return None if per_rank[0] is None else max(x or 0.0 for x in per_rank)
 
 
 def _activations(counts: ModelCounts, layout: ParallelConfig, work: Workload, rank: int,
@@ -263,10 +263,11 @@ def _buffers(counts: ModelCounts, layout: ParallelConfig, work: Workload,
     grad = BYTES_PER_PARAM[work.precision][1]
     out: dict[str, Any] = {}
     params = [c.matrices / t + c.vectors + c.experts / e for c in layers]
-    graded = [_trainable(c, t) for c in layers] if counts.lora_rank else params
+    trainable = rank_trainable(counts, layers, t)
+    graded = sum(params) if trainable is None else trainable
     if layout.token_replicas > 1:
         if par.zero < 3:  # one bucket in flight, never more than the gradients it holds
-            out["data_bucket"] = min(par.bucket_mb * MiB, sum(graded) * grad)
+            out["data_bucket"] = min(par.bucket_mb * MiB, graded * grad)
         elif layers and par.pipeline > 1:  # gathered once per step, kept (issue 36)
             out["zero3_gathered"] = sum(params) * work.element_size
         elif layers:  # in the compute dtype (issue 36)
