@@ -195,5 +195,7 @@ def test_a_damaged_rank_file_ends_the_run_in_one_line(ckpt, tmp_path):
                          env={**env, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 1, out.stderr[-3000:]
     assert "Traceback" not in out.stderr and "CollectiveError" not in out.stderr, out.stderr
-    (line,) = out.stderr.strip().splitlines()
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    (line,) = lines
     assert "rank00000.safetensors is corrupted" in line and line.endswith("(rank 0)"), line

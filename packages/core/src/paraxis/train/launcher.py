@@ -216,10 +216,15 @@ def _run_workers(world_size, opts, argv, checkpoint_dir, entry, warm) -> int:
         lock = DirectoryLock(checkpoint_dir).acquire()
         os.environ[LOCK_ENV] = "1"
     # The agent logs each stop it makes ("Sending process ... closing signal", "failed
-    # (exitcode: 1)"); explain() says what happened to each rank instead, once.
-    quiet = logging.getLogger("torch.distributed.elastic")
-    level = quiet.level
-    quiet.setLevel(logging.CRITICAL)
+    # (exitcode: 1)"), and torch.multiprocessing, which runs forked workers, the peers it
+    # terminates once one failed ("Terminating process ... via signal SIGTERM", when a
+    # peer has not exited yet: seen under load); explain() says what happened to each
+    # rank instead, once.
+    quiet = [logging.getLogger(n) for n in ("torch.distributed.elastic",
+                                            "torch.multiprocessing.spawn")]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.CRITICAL)
     try:
         args = parse_args(torchrun_args(world_size, opts, argv))
         if entry is not None and fork_safe():
@@ -239,7 +244,8 @@ def _run_workers(world_size, opts, argv, checkpoint_dir, entry, warm) -> int:
     except SignalException as exc:  # the workers were told and stopped at a step
         return 128 + int(exc.sigval)
     finally:
-        quiet.setLevel(level)
+        for q, level in zip(quiet, levels, strict=True):
+            q.setLevel(level)
         shutil.rmtree(report, ignore_errors=True)
         if lock is not None:
             lock.release()
