@@ -32,7 +32,7 @@ GB = 1e9
 
 def config(args: argparse.Namespace, root: Path) -> dict:
     return {
-        "parallelism": {"data": args.ranks, "zero": 3},
+        "parallelism": {"data": args.ranks, "zero": 3, "zero_prefetch": args.zero_prefetch},
         "schedule": {"activation_checkpointing": args.activation_checkpointing},
         "model": {"family": "llama", "config": {
             "hidden_size": args.hidden, "intermediate_size": args.intermediate,
@@ -104,6 +104,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--activation-checkpointing", default="none",
                    choices=("none", "selective", "full"))
+    p.add_argument("--zero-prefetch", type=int, default=1,
+                   help="parallelism.zero_prefetch (0: the least memory)")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args()
     n = parameters(args)
@@ -129,9 +131,11 @@ def main() -> int:
     rows = [f"| {r} | {peaks[r] / GB:.3f} | {peaks[r] / (4 * n):.3f} |" for r in sorted(peaks)]
     worst = max(peaks.values())
     ok = worst <= bound
-    ac = args.activation_checkpointing
-    title = "" if ac == "none" else f", activation checkpointing {ac}"
-    flag = "" if ac == "none" else f" --activation-checkpointing {ac}"
+    ac, ahead = args.activation_checkpointing, args.zero_prefetch
+    title = ("" if ac == "none" else f", activation checkpointing {ac}") + \
+        ("" if ahead == 1 else f", zero_prefetch {ahead}")
+    flag = ("" if ac == "none" else f" --activation-checkpointing {ac}") + \
+        ("" if ahead == 1 else f" --zero-prefetch {ahead}")
     text = "\n".join([
         f"## ZeRO-3 peak RSS per rank through `paraxis train` (issue 36, item 5){title}", "",
         f"`python benchmarks/zero3_rss.py{flag}` (Llama from config: {n / 1e9:.2f}B parameters, "
@@ -147,7 +151,8 @@ def main() -> int:
         f"{bound / GB:.3f} GB: {'met' if ok else 'not met'}."])
     print(text)
     if not args.no_write:
-        name = "zero3_rss" + ("" if ac == "none" else f"_{ac}")
+        name = "zero3_rss" + ("" if ac == "none" else f"_{ac}") + \
+            ("" if ahead == 1 else f"_prefetch{ahead}")
         write_section(name, text, {"peaks": peaks, "parameters": n, "bound": bound,
                                    "wall_s": wall})
     return 0 if ok else 1

@@ -87,3 +87,40 @@ def test_stage2_reduces_every_bucket_from_hooks_and_frees_whole_gradients(worlds
     assert n > 3 and launched == [n, n]
     assert all(grads)  # the model's whole gradients were freed in the hooks
     assert CFG.hidden_size == 32
+
+
+def stage3_sends(prefetch):
+    """Per backward unit, the units holding send buffers once its reduce-scatter is
+    launched; per rank-major copy, the gradients of its group not yet copied."""
+    from paraxis_zero.layout import ShardLayout
+
+    engine = paraxis.parallelize(build(), data=2, zero=3, zero_prefetch=prefetch,
+                                 train=TRAIN)
+    sync = engine.ctx.extras["zero"]
+    alive, waiting = [], []
+    ready, copy = sync._launch_ready, ShardLayout.to_rank_major
+
+    def launched():
+        ready()
+        alive.append(sum(any(f.send is not None for f in u.flats) for u in sync.units))
+
+    def copying(layout, buffer, i, src):
+        waiting.append(sum(p.grad is not None for p in layout.params))
+        copy(layout, buffer, i, src)
+
+    sync._launch_ready, ShardLayout.to_rank_major = launched, copying
+    try:
+        train_steps(engine, 0, 1)
+    finally:
+        ShardLayout.to_rank_major = copy
+    engine.close()
+    return alive, waiting
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_stage3_bounds_send_buffers_and_frees_each_gradient_once_copied(worlds, prefetch):
+    alive, waiting = worlds.run(2, stage3_sends, prefetch)[0]
+    # reduce-scatters in flight: the newest and ``prefetch`` before it
+    assert max(alive) == prefetch + 1 and alive[:prefetch + 1] == list(range(1, prefetch + 2))
+    # a layer's gradients (4 matrices) leave one by one as they are copied rank-major
+    assert waiting.count(4) == 2 and waiting[waiting.index(4):][:4] == [4, 3, 2, 1], waiting

@@ -292,9 +292,12 @@ class ShardedUnit:
             grads = f.whole_grads()
             f.send = _as_send(grads[0], f) if f.direct else None
             if f.send is None:
+                # Each whole gradient is freed once copied: the send buffer's pages are
+                # touched as they are written, so the two never both hold the unit.
                 f.send = _empty(f.padded, f.shard)
-                for i, grad in enumerate(grads):
-                    f.layout.to_rank_major(f.send, i, grad)
+                for i, p in enumerate(f.layout.params):
+                    f.layout.to_rank_major(f.send, i, grads[i])
+                    grads[i] = p.grad = None
             for p in f.layout.params:
                 p.grad = None
             f.acc = None
@@ -309,7 +312,7 @@ class ShardedUnit:
             if f.grad is None:
                 f.grad = _empty(f.layout.per_rank, f.shard)
             work = reduce_scatter_into(f.grad, f.send, f.layout.group, async_op=True,
-                                       wire_dtype=self.wire_dtype)
+                                       wire_dtype=self.wire_dtype, consume=True)
             assert work is not None
             self.reducing.append(work)
         self.prepared = False

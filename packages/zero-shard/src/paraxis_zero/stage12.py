@@ -171,7 +171,7 @@ class ShardedOptimizerSync(BucketLoop[_Bucket]):
         assert bucket.send is not None and bucket.recv is not None
         bucket.send.div_(layout.divisor)  # pre-divided (Grid.token_replicas)
         bucket.work = reduce_scatter_into(bucket.recv, bucket.send, layout.group, async_op=True,
-                                          wire_dtype=self.wire_dtype)
+                                          wire_dtype=self.wire_dtype, consume=True)
 
     @torch.no_grad()
     def received(self, bucket: _Bucket) -> None:

@@ -12,12 +12,18 @@ unit's module, in the spirit of FSDP2 (Zhao et al., arXiv:2304.11277):
   outputs' gradients (``register_multi_grad_hook``) that gathers the unit again just
   before its backward and starts the all-gathers of the ``prefetch`` units before it;
 
-Prefetch depth k holds up to k + 1 units whole at once (FSDP2 sets the same with
-``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``); 0 gathers each unit
-only when it runs, so every all-gather is exposed.
 * post-accumulate-grad hooks: when every parameter of the unit has its gradient, copy
-  them rank-major, free them, reshard, and reduce-scatter in a fixed unit order (the
-  reverse of forward), asynchronously, so ranks never disagree on the next collective.
+  them rank-major (each freed once copied), reshard, and reduce-scatter in a fixed unit
+  order (the reverse of forward), asynchronously, so ranks never disagree on the next
+  collective.
+
+Prefetch depth k holds up to k + 1 units whole at once (FSDP2 sets the same with
+``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``) and leaves up to
+k + 1 units' reduce-scatters in flight, their send buffers alive (FSDP2 keeps one
+besides the newest: k = 1). 0 gathers each unit only when it runs, so every all-gather
+is exposed, and waits for each reduce-scatter when the next launches: the least memory.
+A unit whose backward reads no weight (a plain embedding lookup) is not gathered for
+its backward at all.
 
 Recomputation (activation checkpointing) runs a layer's forward again inside its
 backward, after the gradient hook has gathered it: it re-gathers by construction. The
@@ -48,7 +54,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_map
 
-from paraxis.parallel.anatomy import Anatomy
+from paraxis.parallel.anatomy import Anatomy, reads_weights_back
 from paraxis.parallel.buckets import FlatAllReduce, SyncSwitch
 from paraxis.parallel.placement import placement_of
 from paraxis.parallel.stages import chunks_of
@@ -96,10 +102,6 @@ def _compute_dtype(kind: str) -> torch.dtype | None:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 
-# Reduce-scatters whose send buffers may be alive at once during backward.
-IN_FLIGHT = 2
-
-
 class ShardedParameters(SyncSwitch):
     """Gradient synchronizer and shard owner for ZeRO stage 3 (``SyncOrder.DATA``); the
     parameters it keeps whole are its follower's (:class:`FlatAllReduce`). ``keep``:
@@ -143,6 +145,8 @@ class ShardedParameters(SyncSwitch):
                 self._hook(unit)
             self.units += ([root] if root else []) + units
         self._backward_order = list(reversed(self.units))
+        # Units whose backward reads no weight (an embedding table): never gathered for it.
+        self._not_for_backward = {u for u in self.units if not reads_weights_back(u.module)}
         self._unit_of = {p: u for u in self.units for p in u.trainable}
         self._handles += [p.register_post_accumulate_grad_hook(self._on_grad)
                           for p in self._unit_of]
@@ -167,7 +171,8 @@ class ShardedParameters(SyncSwitch):
             j = i + direction * k
             if not 0 <= j < len(self.units) or self.units[j].name == "root":
                 return
-            self.units[j].start_gather(self.compute)
+            if direction > 0 or self.units[j] not in self._not_for_backward:
+                self.units[j].start_gather(self.compute)
 
     def _hook_root(self, chunk: nn.Module, root: ShardedUnit | None,
                    first: ShardedUnit | None) -> None:
@@ -232,7 +237,8 @@ class ShardedParameters(SyncSwitch):
             if done is not unit:
                 done.reshard()
         self._frozen_done = [] if unit.all_trainable or self.keep else [unit]
-        unit.gather(self.compute)
+        if self.keep or unit not in self._not_for_backward:
+            unit.gather(self.compute)
         if self.keep:
             unit.fold()
         self._prefetch(unit, -1)
@@ -258,11 +264,11 @@ class ShardedParameters(SyncSwitch):
         while self._next < len(order) and order[self._next].prepared:
             order[self._next].launch_reduce()
             self._next += 1
-        # At most IN_FLIGHT units' send buffers (whole gradients) stay alive: an older
-        # reduce-scatter is waited for and its input freed (FSDP2 bounds them the same
-        # way); else every unit's whole gradient lived until finish(), the whole
+        # At most prefetch + 1 units' send buffers (whole gradients) stay alive: an
+        # older reduce-scatter is waited for and its input freed (FSDP2 bounds them the
+        # same way); else every unit's whole gradient lived until finish(), the whole
         # model's gradient on every rank at the end of backward.
-        while self._released < self._next - IN_FLIGHT:
+        while self._released < self._next - (self.prefetch + 1):
             order[self._released].release_send()
             self._released += 1
 

@@ -8,7 +8,8 @@ data axis travel as ``Workload.grad_wire_bytes`` and ``weight_bytes``.
 
 * data (ZeRO 0-2): 2Ψ(N-1)/N of gradient bytes Ψ, once per step (all-reduce, or
   reduce-scatter plus all-gather: the same volume; ZeRO section 7). ZeRO-3: 3Ψ(N-1)/N,
-  weights all-gathered in forward and again in backward, gradients reduce-scattered;
+  weights all-gathered in forward and again in backward (a plain embedding lookup's
+  table in forward only: its backward reads no weight), gradients reduce-scattered;
   with m microbatches the gathers repeat per microbatch: (2m+1)Ψ(N-1)/N; beside a
   pipeline a stage gathers once per step and keeps its units: 2Ψ(N-1)/N. ZeRO-3's
   gathers move the compute dtype (bf16 under ``train.precision`` bf16). Under HSDP
@@ -119,7 +120,7 @@ def communication(counts: ModelCounts, layout: ParallelConfig, work: Workload, *
     out: list[AxisComm] = []
     if layout.token_replicas > 1:
         out += _data(layout, work, dense_grad_params, expert_grad_params,
-                     link(*TOKEN_AXES), gpus_per_node, trainable_params)
+                     link(*TOKEN_AXES), gpus_per_node, trainable_params, counts.lookup)
     if t > 1:
         replays = {"none": 0, "selective": 1, "full": 2}[sched.activation_checkpointing]
         volume = max(_tensor_stage(counts, layout, work, r, layer_ids)
@@ -199,11 +200,13 @@ def _has_dense_mlp(counts: ModelCounts, layer: LayerCount) -> bool:
 
 
 def _data(layout: ParallelConfig, work: Workload, dense: float, expert: float, link: str,
-          gpus_per_node: int, trainable: float | None = None) -> list[AxisComm]:
+          gpus_per_node: int, trainable: float | None = None,
+          lookup: float = 0.0) -> list[AxisComm]:
     """Gradients (and ZeRO's weights) over the replicas: dense over data x expert x
     context, expert parameters over data x context; gradients in
     ``work.grad_wire_bytes``, ZeRO 1-2's gathered fp32 masters in ``work.weight_bytes``,
-    ZeRO-3's gathers in the compute dtype (``work.element_size``, issue 36). Under HSDP
+    ZeRO-3's gathers in the compute dtype (``work.element_size``, issue 36), a plain
+    embedding lookup's (``lookup``) for forward only. Under HSDP
     (``zero_shard``) the reduce-scatter and gathers stay inside the shard groups and the
     shards' gradients are all-reduced across them: a second entry, ``data_replica``.
     With frozen parameters (``trainable``: LoRA's adapters, dense) only the trainable
@@ -218,8 +221,11 @@ def _data(layout: ParallelConfig, work: Workload, dense: float, expert: float, l
     shard_link, replica_link = _hsdp_links(layout, gpus_per_node) if hsdp else (link, link)
     if par.zero == 3:
         gathers = 1 if par.pipeline > 1 else 2 * m  # kept through a pipeline's schedule
+        # a plain lookup table is gathered for forward only
+        once = lookup / par.tensor * (n_dense - 1) / n_dense * m if gathers > 1 else 0.0
         out = [AxisComm("data", f"all-gather x{gathers} per step + reduce-scatter",
-                        held * gathers * work.element_size + grad * g, n_dense, shard_link,
+                        (held * gathers - once) * work.element_size + grad * g, n_dense,
+                        shard_link,
                         "prefetched under forward and backward compute",
                         "weights gathered per microbatch, gradients once per step"
                         if gathers > 1 else "weights gathered and gradients reduced once "

@@ -255,7 +255,8 @@ def _activations(counts: ModelCounts, layout: ParallelConfig, work: Workload, ra
 def _buffers(counts: ModelCounts, layout: ParallelConfig, work: Workload,
              layers: list[LayerCount]) -> tuple[float, dict[str, Any]]:
     """Data-parallel bucket (zero 0-2), ZeRO-3's gathered layers (the one running and the
-    ``zero_prefetch`` prefetched) in the compute dtype, pipeline receive buffers (an
+    ``zero_prefetch`` prefetched) in the compute dtype and as many layers' gradients in
+    flight in their reduce-scatters, pipeline receive buffers (an
     activation and a gradient). Beside a pipeline, ZeRO-2 and 3 hold the stage's whole
     gradients through the schedule, and ZeRO-3 every layer of the stage gathered."""
     par = layout.parallelism
@@ -272,6 +273,8 @@ def _buffers(counts: ModelCounts, layout: ParallelConfig, work: Workload,
             out["zero3_gathered"] = sum(params) * work.element_size
         elif layers:  # in the compute dtype (issue 36)
             out["zero3_gathered"] = (1 + par.zero_prefetch) * max(params) * work.element_size
+            # as many units' whole gradients in flight in their reduce-scatters
+            out["zero3_reducing"] = (1 + par.zero_prefetch) * max(params) * grad
         if par.zero >= 2 and par.pipeline > 1:
             out["zero_whole_grads"] = sum(params) * grad
     if par.pipeline > 1:

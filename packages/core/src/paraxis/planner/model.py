@@ -30,7 +30,7 @@ from torch import nn
 from paraxis.config.shape import ModelShape, config_size
 from paraxis.engine.metrics import non_embedding_params
 from paraxis.engine.plugins import make_plugin_manager
-from paraxis.parallel.anatomy import Anatomy, find_anatomy
+from paraxis.parallel.anatomy import Anatomy, find_anatomy, reads_weights_back
 from paraxis.parallel.model_plan import find_plan
 from paraxis.planner.units import PlanInputError, fmt_count
 
@@ -93,6 +93,9 @@ class ModelCounts:
     expert_intermediate: int | None = None
     # > 0: a LoRA run (paraxis.planner.lora): every parameter frozen but the adapters
     lora_rank: int = 0
+    # The token embedding's parameters when it is a plain lookup, untied: its backward
+    # reads no weight, so ZeRO-3 gathers them for forward only (0: gathered for both).
+    lookup: int = 0
 
     @property
     def trainable(self) -> int:
@@ -235,9 +238,12 @@ def count_model(model: nn.Module, family: str, seq: int | None = None,
         else:
             final += n
     tied = bool(head_ids & input_ids)
+    table = anatomy.embedding_of(model)
+    lookup = 0 if tied or table is None or reads_weights_back(table) else \
+        sum(p.numel() for p in table.parameters())
     return _with_shape(model, family, seq, embedding=embedding, final=final, head=head,
                        tied=tied, layers=tuple(LayerCount(*c) for c in per_layer),
-                       block=_block_kind(model, anatomy))
+                       block=_block_kind(model, anatomy), lookup=lookup)
 
 
 def _block_kind(model: nn.Module, anatomy: Anatomy) -> str:

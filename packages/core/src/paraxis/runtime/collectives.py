@@ -20,6 +20,7 @@ from typing import Any, Literal, overload
 import torch
 import torch.distributed as dist
 
+from paraxis.runtime import host_collectives as host
 from paraxis.runtime.clock import Stopwatch
 from paraxis.runtime.comm_stats import CommStats
 from paraxis.runtime.group import AxisGroup
@@ -148,20 +149,21 @@ def all_reduce_(t: torch.Tensor, group: AxisGroup, *, op: Any = None,
 
 def reduce_scatter_into(out: torch.Tensor, flat: torch.Tensor, group: AxisGroup, *,
                         async_op: bool = False, wire_dtype: torch.dtype | None = None,
-                        ) -> Pending | None:
-    """``out`` = this rank's equal part of the sum of ``flat`` over ``group`` (summed in
-    ``wire_dtype`` if given)."""
+                        consume: bool = False) -> Pending | None:
+    """``out`` = this rank's part of the sum of ``flat`` over ``group`` (in ``wire_dtype``
+    if given); ``consume``: ``flat`` may be summed in place (:mod:`.host_collectives`)."""
     if group.size == 1:
         out.copy_(flat)
         return Pending(None, group, "reduce_scatter") if async_op else None
     if wire_dtype is not None and wire_dtype != flat.dtype:
         part = torch.empty(out.shape, dtype=wire_dtype, device=out.device)
         send = flat.to(wire_dtype)  # held by the closure until the reduction is done
-        return _narrow(reduce_scatter_into(part, send, group, async_op=async_op),
-                       lambda: (send, out.copy_(part)))
+        return _narrow(reduce_scatter_into(part, send, group, async_op=async_op,
+                                           consume=True), lambda: (send, out.copy_(part)))
     clock = _Clock(group)
+    scatter = host.scatter_by_all_reduce if consume and host.on_host(flat) else _scatter_flat
     with guard(group, "reduce_scatter"):
-        work = _scatter_flat(out, flat, group=group.pg, async_op=async_op)
+        work = scatter(out, flat, group=group.pg, async_op=async_op)
     record(group, "reduce_scatter", _ring(flat, group.size),
             0.0 if async_op else clock.stop("reduce_scatter"))
     return Pending(work, group, "reduce_scatter") if async_op else None
@@ -169,13 +171,15 @@ def reduce_scatter_into(out: torch.Tensor, flat: torch.Tensor, group: AxisGroup,
 
 def all_gather_into(out: torch.Tensor, part: torch.Tensor, group: AxisGroup, *,
                     async_op: bool = False) -> Pending | None:
-    """``out`` (flat) = every rank's ``part``, concatenated in rank order."""
+    """``out`` (flat) = every rank's ``part``, concatenated in rank order (a host tensor
+    without gloo's copy: :mod:`.host_collectives`)."""
     if group.size == 1:
         out.copy_(part)
         return Pending(None, group, "all_gather") if async_op else None
     clock = _Clock(group)
+    gather = host.gather_by_broadcasts if host.on_host(out) else _gather_flat
     with guard(group, "all_gather"):
-        work = _gather_flat(out, part, group=group.pg, async_op=async_op)
+        work = gather(out, part, group=group.pg, async_op=async_op)
     record(group, "all_gather", _ring(out, group.size),
             0.0 if async_op else clock.stop("all_gather"))
     return Pending(work, group, "all_gather") if async_op else None
