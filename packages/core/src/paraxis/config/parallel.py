@@ -115,7 +115,8 @@ class Parallelism(_Section):
     context_mode: Literal["ring", "ulysses"] = "ring"
     bucket_mb: float = Field(default=25.0, gt=0)
     # ZeRO-3: units (layers) gathered ahead of the running one in forward and behind it
-    # in backward; 0 gathers each unit only when it runs. Each adds a unit's bytes.
+    # in backward, and units' reduce-scatters left in flight (this + 1); 0 gathers each
+    # unit only when it runs: the least memory. Each adds a unit's bytes both ways.
     zero_prefetch: int = Field(default=1, ge=0)
     # Hybrid sharding (HSDP, issue 36): ZeRO over groups of this many data ranks, the
     # data/zero_shard groups holding replicas of the same shards (reduce-scatter and
