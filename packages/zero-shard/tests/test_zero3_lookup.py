@@ -87,6 +87,6 @@ def test_a_lookup_table_is_gathered_for_forward_only(worlds):
 @pytest.mark.parametrize("cls, reads", [(nn.Embedding, False), (_Scaled, True),
                                         (nn.Linear, True)])
 def test_only_an_embeddings_own_forward_is_trusted(cls, reads):
-    from paraxis.parallel.anatomy import reads_weights_back
+    from paraxis.parallel.code_reading import reads_weights_back
 
     assert reads_weights_back(cls(4, 4)) is reads

@@ -54,8 +54,9 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_map
 
-from paraxis.parallel.anatomy import Anatomy, reads_weights_back
+from paraxis.parallel.anatomy import Anatomy
 from paraxis.parallel.buckets import FlatAllReduce, SyncSwitch
+from paraxis.parallel.code_reading import reads_weights_back
 from paraxis.parallel.placement import placement_of
 from paraxis.parallel.stages import chunks_of
 from paraxis.parallel.strategy import SyncOrder

@@ -30,7 +30,7 @@ from paraxis.parallel.model_plan import Adapter, ModelPlan, PlanError
 from paraxis.parallel.standins import SkipLayer, stands_in
 
 __all__ = ["Anatomy", "LayerParts", "class_calls", "expert_blocks", "find_anatomy", "is_norm",
-           "is_sequence_mixer", "reads_weights_back"]
+           "is_sequence_mixer"]
 
 # How a layer's child is classified, by its name in the layer (the rule sequence
 # parallelism was validated with over the coverage matrix: class names carry a family's
@@ -83,14 +83,6 @@ def is_norm(module: nn.Module) -> bool:
     """A normalization (mixes features, never positions), by its class as layers' are."""
     return bool(_NORM_CLASS.search(type(module).__name__)) or \
         isinstance(module, nn.LayerNorm | nn.GroupNorm)
-
-
-def reads_weights_back(module: nn.Module) -> bool:
-    """Whether ``module``'s backward reads its weights. A plain embedding lookup's does
-    not (the table's gradient is the output's, added into rows by index), so ZeRO-3
-    gathers it for forward only, and the planner counts that. A subclass with a forward
-    of its own might, so only :class:`nn.Embedding`'s own forward is trusted."""
-    return type(module).forward is not nn.Embedding.forward
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ from torch import nn
 from paraxis.config.shape import ModelShape, config_size
 from paraxis.engine.metrics import non_embedding_params
 from paraxis.engine.plugins import make_plugin_manager
-from paraxis.parallel.anatomy import Anatomy, find_anatomy, reads_weights_back
+from paraxis.parallel.anatomy import Anatomy, find_anatomy
+from paraxis.parallel.code_reading import reads_weights_back
 from paraxis.parallel.model_plan import find_plan
 from paraxis.planner.units import PlanInputError, fmt_count
 

@@ -51,14 +51,12 @@ _scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scat
 
 
 class _Clock:
-    """The time a caller sits blocked on one collective. Where the CPU waits for the
-    transfer (gloo) that is its wall time. On a stream-ordered backend (NCCL) the call
-    returns at once and the *compute stream* waits instead, so wall time reads the
-    launch: with ``parallelism.stream_timing`` on (the grid's ``CommStats.on_stream``)
-    two CUDA events bracket the call (or ``wait()``) on the current stream and their
-    gap, read when the step's totals are (:meth:`CommStats.settle`), is the stall. That
-    path is a CUDA path no GPU has validated yet (:mod:`paraxis.runtime.cuda_paths`,
-    ``stream_timing``), so it is off unless asked for."""
+    """The time a caller sits blocked on one collective: on gloo its wall time. On NCCL
+    the call returns at once and the *compute stream* waits, so with
+    ``parallelism.stream_timing`` on (``CommStats.on_stream``) two CUDA events bracket
+    the call (or ``wait()``) on the current stream and their gap, read with the step's
+    totals (:meth:`CommStats.settle`), is the stall; a CUDA path no GPU has validated
+    yet (:mod:`paraxis.runtime.cuda_paths`, ``stream_timing``), off unless asked for."""
 
     def __init__(self, group: AxisGroup):
         stats = getattr(group, "stats", None)
@@ -171,8 +169,7 @@ def reduce_scatter_into(out: torch.Tensor, flat: torch.Tensor, group: AxisGroup,
 
 def all_gather_into(out: torch.Tensor, part: torch.Tensor, group: AxisGroup, *,
                     async_op: bool = False) -> Pending | None:
-    """``out`` (flat) = every rank's ``part``, concatenated in rank order (a host tensor
-    without gloo's copy: :mod:`.host_collectives`)."""
+    """``out`` (flat) = every rank's ``part``, in rank order (:mod:`.host_collectives`)."""
     if group.size == 1:
         out.copy_(part)
         return Pending(None, group, "all_gather") if async_op else None
