@@ -2,6 +2,7 @@
 item 5): a Llama from config (0.50B parameters by default) over data 8, two steps.
 
     python benchmarks/zero3_rss.py            # runs `paraxis train` itself
+    python benchmarks/zero3_rss.py --activation-checkpointing full --zero-prefetch 0
     python benchmarks/zero3_rss.py --no-write
 
 The run is launched as a user launches it: ``paraxis train --config <yaml>`` with no
@@ -11,7 +12,8 @@ does is what is measured. Each worker's peak resident set (``VmHWM`` in
 the workers are told apart by the ``RANK`` torchrun gives them. Target: every rank at
 most 0.5 x the whole fp32 model + 0.7 GB (the issue's; the model state of ZeRO-3 over 8
 ranks is 16/8 = 2 bytes a parameter, 0.5 of the fp32 weights, and the rest is the
-runtime, the gathered layers and activations).
+runtime, the gathered layers and activations). Recomputation and ``zero_prefetch`` 0
+(one unit gathered, one reduce-scatter in flight) are the least-memory config.
 """
 
 from __future__ import annotations
