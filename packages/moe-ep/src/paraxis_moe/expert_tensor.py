@@ -40,7 +40,7 @@ from paraxis.runtime.collectives import Pending, all_gather_into, record
 from paraxis.runtime.differentiable import copy_to, on_wire, reduce_from, wire_dtype
 from paraxis.runtime.grid import AxisGroup
 from paraxis.runtime.liveness import guard
-from paraxis.runtime.ring import Works
+from paraxis.runtime.works import Works
 from paraxis_moe.dispatcher import local_ids as received_ids
 
 __all__ = ["ExpertTensor", "expert_width", "gather_rows", "refusals", "scatter_sum_rows",

@@ -202,10 +202,13 @@ def rank_trainable(counts: ModelCounts, layers: list[LayerCount], t: int) -> flo
 
 
 def most_trainable(counts: ModelCounts, layout: ParallelConfig) -> float | None:
-    """The most :func:`rank_trainable` parameters a pipeline rank holds."""
-    per_rank = [rank_trainable(counts, rank_layers(counts, layout, r), layout.parallelism.tensor)
-                for r in range(layout.parallelism.pipeline)]
-    return None if per_rank[0] is None else max(x or 0.0 for x in per_rank)
+    """The most :func:`rank_trainable` parameters a pipeline rank holds (None when every
+    parameter trains)."""
+    if not counts.lora_rank:
+        return None
+    t = layout.parallelism.tensor
+    return max(rank_trainable(counts, rank_layers(counts, layout, r), t) or 0.0
+               for r in range(layout.parallelism.pipeline))
 
 
 def _activations(counts: ModelCounts, layout: ParallelConfig, work: Workload, rank: int,

@@ -21,11 +21,12 @@ ring's, what NCCL moves and the planner models); a CUDA tensor takes torch's ops
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from paraxis.runtime.works import Works
 
 __all__ = ["gather_by_broadcasts", "on_host", "scatter_by_all_reduce"]
 
@@ -34,28 +35,12 @@ def on_host(t: torch.Tensor) -> bool:
     return t.device.type == "cpu"
 
 
-class _Works:
-    """Several collectives waited for as one, then ``finish`` (a copy out)."""
-
-    def __init__(self, works: list[Any], finish: Callable[[], Any] | None = None):
-        self.works, self.finish = works, finish
-
-    def wait(self) -> bool:
-        for work in self.works:
-            work.wait()
-        self.works = []
-        if self.finish is not None:
-            self.finish()
-            self.finish = None
-        return True
-
-
 def _slots(t: torch.Tensor, pg: Any) -> tuple[torch.Tensor, int, int]:
     n = dist.get_world_size(pg)
     return t.view(n, -1), dist.get_rank(pg), n
 
 
-def _done(works: _Works, async_op: bool) -> _Works | None:
+def _done(works: Works, async_op: bool) -> Works | None:
     if async_op:
         return works
     works.wait()
@@ -63,19 +48,19 @@ def _done(works: _Works, async_op: bool) -> _Works | None:
 
 
 def gather_by_broadcasts(out: torch.Tensor, part: torch.Tensor, *, group: Any,
-                         async_op: bool = False) -> _Works | None:
+                         async_op: bool = False) -> Works | None:
     """``out`` (contiguous, flat) = every rank's ``part`` in group-rank order."""
     slots, me, n = _slots(out, group)
     slots[me].copy_(part.reshape(-1))
     works = [dist.broadcast(slots[k], src=dist.get_global_rank(group, k), group=group,
                             async_op=True) for k in range(n)]
-    return _done(_Works(works), async_op)
+    return _done(Works(works), async_op)
 
 
 def scatter_by_all_reduce(out: torch.Tensor, flat: torch.Tensor, *, group: Any,
-                          async_op: bool = False) -> _Works | None:
+                          async_op: bool = False) -> Works | None:
     """``out`` = this rank's equal part of the sum of ``flat`` over ``group``;
     ``flat`` is summed in place (the caller gives it up)."""
     slots, me, _ = _slots(flat, group)
     work = dist.all_reduce(flat, group=group, async_op=True)
-    return _done(_Works([work], lambda: out.view(-1).copy_(slots[me])), async_op)
+    return _done(Works([work], lambda: out.view(-1).copy_(slots[me])), async_op)

@@ -22,20 +22,9 @@ import torch.distributed as dist
 from paraxis.runtime.collectives import Pending, record
 from paraxis.runtime.group import AxisGroup
 from paraxis.runtime.liveness import guard
+from paraxis.runtime.works import Works
 
-__all__ = ["RingHop", "Works", "ring_gather", "ring_reduce_scatter"]
-
-
-class Works:
-    """The works of one batch of sends and receives (``dist.batch_isend_irecv``), waited
-    for together: what a :class:`~.collectives.Pending` waits on."""
-
-    def __init__(self, works: list[Any]):
-        self.works = works
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
+__all__ = ["RingHop", "ring_gather", "ring_reduce_scatter"]
 
 
 class RingHop:
