@@ -10,7 +10,11 @@ DualPipeV: rank r holds stages r and 2p-1-r; torch gets those very stage modules
 second copy with the same weights), with the same microbatches. Every step on both
 sides: each microbatch forward and backward in the schedule's order (the same order:
 paraxis's V builders are torch's), global-norm clipping across stages, then AdamW on
-the stages' local tensors. The six variants alternate in rounds; the ratio of each pair
+the stages' local tensors. A split backward (ZB-V's I and W, DualPipeV's drain) is each
+side's own: paraxis defers its linear layers' weight GEMMs to W
+(:mod:`paraxis_pp.deferred`), torch splits the autograd graph (its
+``stage_backward_input`` / ``stage_backward_weight``), so torch's copy of the stages
+keeps ``nn.Linear``'s own forward. The six variants alternate in rounds; the ratio of each pair
 is the median of per-round ratios, with its spread and the verdict against 1.0
 (:mod:`common`). The last line printed is ZB-V's ratio.
 """
@@ -45,6 +49,7 @@ from paraxis import ParallelConfig, shutdown
 from paraxis.config.parallel import V_SCHEDULES
 from paraxis.parallel.split import stage_of
 from paraxis_pp.actions import Schedule
+from paraxis_pp.deferred import uninstall_deferred
 from paraxis_pp.simulate import Timeline, simulate, theoretical_bubble
 
 # paraxis schedule -> (chunks per rank, torch's class for the same order)
@@ -79,6 +84,8 @@ class TorchPipeline:
         self.engine = engine_for(args, name, chunks)  # only its stage modules are used
         self.model = self.engine.model
         modules = list(self.model) if chunks > 1 else [self.model]
+        for module in modules:  # torch's split needs nn.Linear's own backward
+            uninstall_deferred(module)
         world, rank = dist.get_world_size(), dist.get_rank()
         placement = "v" if name in V_SCHEDULES else "looped"
         indices = [stage_of(rank, c, world, placement) for c in range(chunks)]

@@ -7,8 +7,10 @@ a send to finish before the sender's next action); the receives of the next
 only until its own data is there. Adjacent stages on the same rank (the turn of a V
 placement, stages ``p-1`` and ``p``) hand their tensors over in memory. Activations of a
 microbatch are dropped as soon as its whole backward (B) or its weight gradient (W,
-after a split backward's I) has run. Each action's compute time is recorded for the
-measured timeline.
+after a split backward's I) has run. A split backward defers the linear layers' weight
+GEMMs from I to W (:mod:`paraxis_pp.deferred`) where a chunk allows it, else splits the
+graph with torch's helpers. Each action's compute time is recorded for the measured
+timeline.
 
 Auxiliary-loss carries (:class:`paraxis.parallel.batch.AuxLosses`): when a strategy declared one,
 each forward sends, beside the hidden states, the sum of the stages' contributions so
@@ -34,6 +36,7 @@ from paraxis.runtime.grid import AxisGroup
 from paraxis.runtime.liveness import guard
 from paraxis.runtime.world import device_for_rank
 from paraxis_pp.actions import Action, Schedule
+from paraxis_pp.deferred import DeferredWeights
 from paraxis_pp.mailbox import Mailbox
 from paraxis_pp.simulate import Timeline
 
@@ -98,6 +101,12 @@ class PipelineRunner:
         # (action, start, end) in the machine's monotonic clock, shared by local ranks.
         self.timeline: list[tuple[Action, float, float]] = []
         self.mail = Mailbox(group, schedule, self.device)
+        # Chunks whose split backward defers the linear layers' weight GEMMs to W
+        # (stage 0 runs its whole backward at W: nothing to defer).
+        split = {a.chunk for a in schedule.actions[self.rank] if a.kind == "I"}
+        self.deferred = [DeferredWeights.install(c)
+                         if i in split and schedule.stage(self.rank, i) > 0 else None
+                         for i, c in enumerate(chunks)]
 
     # ---- messaging ---------------------------------------------------------------
 
@@ -268,6 +277,11 @@ class PipelineRunner:
         if stage == 0:  # no input gradient to send: all the work happens at W
             grads[key] = ("full", live)
             return None
+        store = self.deferred[key[1]]
+        if store is not None:  # one backward, the linear weights' GEMMs kept for W
+            grads[key] = ("deferred", store.backward_input([o for o, _ in live],
+                                                           [g for _, g in live]))
+            return x.grad if x.grad is not None else torch.zeros_like(x)
         stage_backward_input, _ = _split_backward()
         if stage_backward_input is not None:
             (x_grad,), groups = stage_backward_input(
@@ -283,7 +297,9 @@ class PipelineRunner:
     def _weight_grads(self, key: tuple[int, int], outs: list[torch.Tensor],
                       saved: tuple) -> None:
         how, value = saved
-        if how == "groups":
+        if how == "deferred":
+            DeferredWeights.weight(value)
+        elif how == "groups":
             _split_backward()[1](self.chunks[key[1]].parameters(), value)
         elif value:
             torch.autograd.backward([o for o, _ in value], [g for _, g in value])

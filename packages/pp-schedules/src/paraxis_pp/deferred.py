@@ -1,0 +1,153 @@
+"""Weight gradients of linear layers deferred from a split backward's I to its W
+(Megatron-LM's and DeepSeek's ``WeightGradStore``, the zero-bubble schedules' own
+implementation: Qi et al., arXiv:2401.10241).
+
+A split backward computes the input gradient first (I, on the critical path) and the
+weight gradients later (W, filling the bubbles). torch's helpers split an autograd graph
+generically: I walks the graph, hooks the nodes that feed weights and calls autograd
+with the graph retained; W calls autograd once per parameter group. On a Llama stage that
+costs about a fifth more than the whole backward. Here, for a stage whose matrices are
+all ``nn.Linear`` weights, I is one ordinary backward in which each linear layer computes
+its input gradient and keeps (its input, its output gradient) instead of computing its
+weight gradient; W runs those GEMMs. Everything else (norm weights, biases) gets its
+gradient in I, as in a whole backward.
+
+Each linear layer still runs ``F.linear`` on its own weight: only its backward is
+written here (``dX = dY W``, ``dW = dY^T X`` as autograd's own, under the forward's
+autocast). Deferred weight gradients are written to ``.grad`` directly, as torch's own
+``stage_backward_weight`` does (no post-accumulate hook fires for them; every consumer
+of gradients under a pipeline reads them after the schedule). A stage holding any other
+trainable matrix (fused expert tensors, GPT-2's ``Conv1D``) keeps torch's split.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paraxis.runtime.differentiable import autocast_dtype
+
+__all__ = ["DeferredWeights", "uninstall_deferred"]
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    """``nn.Linear``'s own forward, not replaced on the instance by another axis."""
+    return (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+            and "forward" not in vars(module))
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+def _under(state: tuple[str, torch.dtype | None]) -> Any:
+    """Autocast as it was in the forward (a backward may run on autograd's thread)."""
+    kind, dtype = state
+    return torch.autocast(kind, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
+class _Linear(torch.autograd.Function):
+    """``F.linear(x, weight, bias)``; its weight gradient is handed to ``store`` while
+    the store is deferring. Under autocast ``x`` is kept in the autocast dtype, as
+    autocast's own linear keeps it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                store: DeferredWeights) -> torch.Tensor:
+        dtype = autocast_dtype(x.device.type)
+        ctx.store, ctx.has_bias, ctx.x_dtype = store, bias is not None, x.dtype
+        # The parameter itself, whose .grad W writes: under recomputation
+        # (torch.utils.checkpoint) a saved tensor comes back as a detached alias.
+        ctx.param = weight
+        ctx.autocast = (x.device.type, dtype)
+        x = x if dtype is None else x.to(dtype)  # autocast's own cast, done once
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        x, weight = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        with _under(ctx.autocast):
+            if ctx.needs_input_grad[0]:
+                grad_x = (grad @ weight).to(ctx.x_dtype)
+            if ctx.needs_input_grad[1]:
+                if ctx.store.deferring:
+                    ctx.store.pending.append((ctx.param, x, grad, ctx.autocast))
+                else:
+                    grad_w = _weight_grad(x, grad).to(weight.dtype)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                grad_b = _flat(grad).sum(0).to(weight.dtype)
+        return grad_x, grad_w, grad_b, None
+
+
+def _weight_grad(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """dW = dY^T X, laid out as the weight (autograd's own product for nn.Linear)."""
+    return _flat(grad).t() @ _flat(x)
+
+
+class _DeferredForward:
+    """A linear layer's forward through :class:`_Linear` (its own weight and bias)."""
+
+    def __init__(self, module: nn.Linear, store: DeferredWeights):
+        self.module, self.store = module, store
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _Linear.apply(x, self.module.weight, self.module.bias, self.store)
+
+
+class DeferredWeights:
+    """One stage's linear layers with deferrable weight gradients (:func:`install`)."""
+
+    def __init__(self) -> None:
+        self.deferring = False
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]] = []
+
+    @classmethod
+    def install(cls, chunk: nn.Module) -> DeferredWeights | None:
+        """Route ``chunk``'s plain linear layers through the deferrable backward when every
+        trainable matrix of the chunk is a linear weight or an embedding table (a lookup
+        has no weight GEMM); else None (torch's generic split)."""
+        linears = [m for m in chunk.modules() if _plain_linear(m)]
+        covered = {id(m.weight) for m in linears}
+        covered |= {id(m.weight) for m in chunk.modules() if isinstance(m, nn.Embedding)}
+        if not linears or any(p.requires_grad and p.dim() >= 2 and id(p) not in covered
+                              for p in chunk.parameters()):
+            return None
+        store = cls()
+        for m in linears:
+            m.forward = _DeferredForward(m, store)  # type: ignore[method-assign]
+        return store
+
+    def backward_input(self, outputs: list[torch.Tensor], grads: list[Any]) -> list:
+        """I: the whole backward with the linear weights' GEMMs kept for :meth:`weight`;
+        returns what W needs."""
+        self.deferring, self.pending = True, []
+        try:
+            torch.autograd.backward(outputs, grads)
+        finally:
+            self.deferring, taken, self.pending = False, self.pending, []
+        return taken
+
+    @staticmethod
+    def weight(taken: list) -> None:
+        """W: the kept GEMMs, accumulated into each weight's ``.grad``."""
+        for weight, x, grad, state in taken:
+            with _under(state):
+                g = _weight_grad(x, grad).to(weight.dtype)
+            if weight.grad is None:
+                weight.grad = g
+            else:
+                weight.grad += g
+
+
+def uninstall_deferred(chunk: nn.Module) -> None:
+    """Give ``chunk``'s linear layers back ``nn.Linear``'s own forward (a peer that
+    splits backwards with torch's helpers would compute every weight gradient twice)."""
+    for m in chunk.modules():
+        if isinstance(vars(m).get("forward"), _DeferredForward):
+            del m.forward
