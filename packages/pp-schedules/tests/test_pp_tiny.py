@@ -55,6 +55,9 @@ def reference(worlds):
     {"pipeline_schedule": "dualpipev", "virtual_stages": 2},
     {"activation_checkpointing": "full"},
     {"activation_checkpointing": "selective", "pipeline_schedule": "zero_bubble_h1"},
+    # whole and split backwards of one chunk, each recomputing its own kind of forward
+    {"activation_checkpointing": "full", "pipeline_schedule": "dualpipev",
+     "virtual_stages": 2},
 ], ids=lambda o: "-".join(str(v) for v in o.values()))
 def test_tiny_pipeline_matches_one_process(worlds, reference, options):
     ref_losses, ref_shards, ref_grads = reference

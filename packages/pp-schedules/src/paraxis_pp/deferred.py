@@ -97,13 +97,20 @@ class _DeferredForward:
         self.module, self.store = module, store
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return _Linear.apply(x, self.module.weight, self.module.bias, self.store)
+        m = self.module
+        if not self.store.recording:  # this forward's backward will not be split
+            return F.linear(x, m.weight, m.bias)
+        return _Linear.apply(x, m.weight, m.bias, self.store)
 
 
 class DeferredWeights:
     """One stage's linear layers with deferrable weight gradients (:func:`install`)."""
 
     def __init__(self) -> None:
+        # recording: forwards build the deferrable backward (only those whose backward
+        # will be split: autograd's own linear is cheaper for a whole one);
+        # deferring: a backward keeps the weight GEMMs (set by backward_input).
+        self.recording = True
         self.deferring = False
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]] = []
 

@@ -107,6 +107,7 @@ class PipelineRunner:
         self.deferred = [DeferredWeights.install(c)
                          if i in split and schedule.stage(self.rank, i) > 0 else None
                          for i, c in enumerate(chunks)]
+        self._split = {(a.mb, a.chunk) for a in schedule.actions[self.rank] if a.kind == "I"}
 
     # ---- messaging ---------------------------------------------------------------
 
@@ -182,6 +183,8 @@ class PipelineRunner:
             self._hidden_shape(mb), stage - 1, "F", a.mb, stage - 1)
         if stage > 0 and st.train:
             x.requires_grad_(True)
+        if (store := self.deferred[a.chunk]) is not None:
+            store.recording = st.train and key in self._split
         start = time.perf_counter()
         with self.ctx.forward_context():
             out = self.chunks[a.chunk](x, **mb.model_kwargs(), **self.forward_kwargs)
@@ -262,6 +265,8 @@ class PipelineRunner:
         leaving what its W needs in ``st.grads``."""
         inputs, outputs, grads = st.inputs, st.outputs, st.grads
         x = inputs[key]
+        if (store := self.deferred[key[1]]) is not None:  # a recomputed block's forward
+            store.recording = key in self._split  # runs the linears as its forward did
         live = [(o, g) for o, g in zip(outs, self._grad_list(outs, grad), strict=True)
                 if o.requires_grad]
         if whole:
@@ -277,7 +282,6 @@ class PipelineRunner:
         if stage == 0:  # no input gradient to send: all the work happens at W
             grads[key] = ("full", live)
             return None
-        store = self.deferred[key[1]]
         if store is not None:  # one backward, the linear weights' GEMMs kept for W
             grads[key] = ("deferred", store.backward_input([o for o, _ in live],
                                                            [g for _, g in live]))
