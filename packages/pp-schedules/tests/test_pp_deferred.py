@@ -38,17 +38,16 @@ class _Stage(nn.Module):
         return self.norm(self.proj(x))
 
 
-def _grads(stage: nn.Module, split: bool, dtype: torch.dtype | None):
-    store = DeferredWeights.install(stage) if split else None
+def _grads(stage: nn.Module, store: DeferredWeights | None, dtype: torch.dtype | None):
+    """One microbatch's gradients: the whole backward (no ``store``) or I then W."""
     torch.manual_seed(1)
     x = torch.randn(2, CFG.seq_length, CFG.hidden_size, requires_grad=True)
     g = torch.randn(2, CFG.seq_length, CFG.hidden_size)
     with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
         out = stage(x)
-    if not split:
+    if store is None:
         out.backward(g)
         return x.grad, {n: p.grad for n, p in stage.named_parameters()}, None
-    assert store is not None
     taken = store.backward_input([out], [g])
     before = {n: p.grad for n, p in stage.named_parameters()}
     DeferredWeights.weight(taken)
@@ -59,8 +58,8 @@ def _grads(stage: nn.Module, split: bool, dtype: torch.dtype | None):
 @pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recomputed"])
 def test_input_then_weight_gives_the_whole_backward(dtype, recompute):
     stage = _Stage(recompute)
-    x_ref, ref, _ = _grads(copy.deepcopy(stage), split=False, dtype=dtype)
-    x_grad, grads, after_input = _grads(stage, split=True, dtype=dtype)
+    x_ref, ref, _ = _grads(copy.deepcopy(stage), None, dtype)
+    x_grad, grads, after_input = _grads(stage, DeferredWeights.install(stage), dtype)
     params = dict(stage.named_parameters())
     assert torch.equal(x_grad, x_ref)
     linear = {f"{n}.weight" for n, m in stage.named_modules() if isinstance(m, nn.Linear)}
@@ -73,6 +72,20 @@ def test_input_then_weight_gives_the_whole_backward(dtype, recompute):
         # accumulation and optimizer step after it)
         assert grad.stride() == params[name].stride(), name
         assert torch.equal(grad, ref[name]), name
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_microbatches_accumulate_as_the_whole_backward_does(dtype):
+    """A second microbatch's weight gradient is summed into the first's (in the GEMM
+    itself for fp32), as autograd accumulates them."""
+    stage = _Stage(recompute=False)
+    reference = copy.deepcopy(stage)
+    store = DeferredWeights.install(stage)
+    for _ in range(2):
+        _grads(reference, None, dtype)
+        _grads(stage, store, dtype)
+    for (name, p), ref in zip(stage.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, ref.grad, rtol=1e-6, atol=1e-6, msg=name)
 
 
 def test_a_stage_with_another_matrix_keeps_torchs_split():

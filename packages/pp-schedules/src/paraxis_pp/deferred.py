@@ -5,14 +5,15 @@ implementation: Qi et al., arXiv:2401.10241).
 A split backward computes the input gradient first (I, on the critical path) and the
 weight gradients later (W, filling the bubbles). torch's helpers split an autograd graph
 generically: I walks the graph, hooks the nodes that feed weights and calls autograd
-with the graph retained; W calls autograd once per parameter group. On a Llama stage that
-costs about a fifth more than the whole backward. Here, for a stage whose matrices are
-all ``nn.Linear`` weights, I is one ordinary backward in which each linear layer computes
-its input gradient and keeps (its input, its output gradient) instead of computing its
-weight gradient; W runs those GEMMs. Everything else (norm weights, biases) gets its
-gradient in I, as in a whole backward.
+with the graph retained; W calls autograd once per parameter group
+(``benchmarks/split_backward.py`` compares the two on a Llama stage). Here, for a
+stage whose matrices are all ``nn.Linear`` weights, I is one ordinary backward in which
+each linear layer computes its input gradient and keeps (its input, its output
+gradient) instead of computing its weight gradient; W runs those GEMMs. Everything
+else (norm weights, biases) gets its gradient in I, as in a whole backward.
 
-Each linear layer still runs ``F.linear`` on its own weight: only its backward is
+Each linear layer still runs ``F.linear`` on its own weight (and autograd's own linear
+where the forward's backward will not be split: ``recording``); only its backward is
 written here (``dX = dY W``, ``dW = dY^T X`` as autograd's own, under the forward's
 autocast). Deferred weight gradients are written to ``.grad`` directly, as torch's own
 ``stage_backward_weight`` does (no post-accumulate hook fires for them; every consumer
@@ -144,12 +145,16 @@ class DeferredWeights:
     def weight(taken: list) -> None:
         """W: the kept GEMMs, accumulated into each weight's ``.grad``."""
         for weight, x, grad, state in taken:
+            held = weight.grad
+            if held is not None and state[1] is None and held.dtype == x.dtype == grad.dtype:
+                held.addmm_(_flat(grad).t(), _flat(x))  # summed in the GEMM: no temporary
+                continue
             with _under(state):
                 g = _weight_grad(x, grad).to(weight.dtype)
-            if weight.grad is None:
+            if held is None:
                 weight.grad = g
             else:
-                weight.grad += g
+                held += g
 
 
 def uninstall_deferred(chunk: nn.Module) -> None:
