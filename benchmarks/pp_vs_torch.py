@@ -208,7 +208,8 @@ def report(args, world, run, bubbles) -> None:
         f"{args.batch} in {args.microbatches} microbatches, gloo; {machine()}; "
         f"{args.rounds} rounds of {args.steps} alternating steps after {args.warmup} "
         "warm-up; both sides: the same stage modules and schedule order, global-norm "
-        "clipping across stages, AdamW on local tensors)",
+        "clipping across stages, AdamW on local tensors; each side's own split backward: "
+        "paraxis defers the linear weight GEMMs to W, torch splits the autograd graph)",
         "",
         "| variant | median step (ms) |",
         "| --- | ---: |",
