@@ -3,14 +3,14 @@ backward between adjacent stages (:class:`paraxis_pp.mailbox.Mailbox`).
 
 Sends are asynchronous and awaited at the end of the step (a legal schedule never needs
 a send to finish before the sender's next action); the receives of the next
-``RECEIVES_AHEAD`` actions are posted before an action computes, and an action blocks
-only until its own data is there. Adjacent stages on the same rank (the turn of a V
-placement, stages ``p-1`` and ``p``) hand their tensors over in memory. Activations of a
-microbatch are dropped as soon as its whole backward (B) or its weight gradient (W,
-after a split backward's I) has run. A split backward defers the linear layers' weight
-GEMMs from I to W (:mod:`paraxis_pp.deferred`) where a chunk allows it, else splits the
-graph with torch's helpers. Each action's compute time is recorded for the measured
-timeline.
+``RECEIVES_AHEAD`` actions (``RECEIVES_AHEAD_HOST`` for host tensors) are posted before
+an action computes, and an action blocks only until its own data is there. Adjacent
+stages on the same rank (the turn of a V placement, stages ``p-1`` and ``p``) hand their
+tensors over in memory. Activations of a microbatch are dropped as soon as its whole
+backward (B) or its weight gradient (W, after a split backward's I) has run. A split
+backward defers the linear layers' weight GEMMs from I to W (:mod:`paraxis_pp.deferred`)
+where a chunk allows it, else splits the graph with torch's helpers. Each action's
+compute time is recorded for the measured timeline.
 
 Auxiliary-loss carries (:class:`paraxis.parallel.batch.AuxLosses`): when a strategy declared one,
 each forward sends, beside the hidden states, the sum of the stages' contributions so
@@ -59,8 +59,14 @@ def _split_backward() -> tuple[Any, Any]:
 
 
 # Receives posted ahead of the action that needs them: the next actions' (each holds one
-# microbatch's hidden states until its action runs).
+# microbatch's hidden states until its action runs). Host tensors (gloo) look further:
+# two actions ahead, a receive posted after its sender had announced the message blocked
+# the poster for up to 7 ms (gloo's thread still handing the previous message over), and
+# the middle rank of pp_vs_torch's ZB-V spent 28-38 ms a step posting (instrumented);
+# eight ahead, 1-3 ms. Device tensors keep two: a longer window has not run on
+# NCCL, whose receives hold the stream they are posted on.
 RECEIVES_AHEAD = 2
+RECEIVES_AHEAD_HOST = 8
 
 
 @dataclass
@@ -157,10 +163,13 @@ class PipelineRunner:
         # (half the bytes; one rounding more, as the residual stream is fp32).
         with self.ctx.forward_context():
             self.mail.reset(autocast_dtype(self.device.type) or torch.float32)
+        window = RECEIVES_AHEAD_HOST if self.device.type == "cpu" else RECEIVES_AHEAD
+        posted = 0  # actions whose receives are posted (each action's once)
         with torch.set_grad_enabled(train):
             for i, a in enumerate(actions):
-                for ahead in actions[i + 1:i + 1 + RECEIVES_AHEAD]:
+                for ahead in actions[max(posted, i + 1):i + 1 + window]:
                     self._post_receives(ahead, st)
+                posted = max(posted, i + 1 + window)
                 if a.kind == "F":
                     self._forward_action(a, st)
                 elif a.kind in ("B", "I"):
