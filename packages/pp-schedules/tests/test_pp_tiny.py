@@ -123,3 +123,43 @@ def test_the_stage_times_name_only_passes_that_were_measured(worlds, schedule, c
     assert {s: set(c) for s, c in measured.items()} == columns, line
     for stage, cols in measured.items():
         assert all(ms > 0 for k, ms in cols.items() if k != "idle"), (stage, line)
+
+
+def _receives(schedule: str):
+    """Per rank over one step: (receives from another rank, those already posted when
+    their action asked, most posts of one message)."""
+    torch.manual_seed(0)
+    engine = paraxis.parallelize(TinyTransformer(CFG), pipeline=2, microbatches=4,
+                                 pipeline_schedule=schedule,
+                                 virtual_stages=2 if schedule in V_SCHEDULES else 1,
+                                 train={"steps": 2, "lr": LR, "seq_length": CFG.seq_length})
+    mail = engine.ctx.forward_backward.mail
+    posts: dict[tuple, int] = {}
+    counts = {"received": 0, "ahead": 0}
+    post, recv = mail.post, mail.recv
+
+    def counted_post(shape, stage, kind, mb, src_stage):
+        before = len(mail._posted)  # a receive actually posted adds one
+        post(shape, stage, kind, mb, src_stage)
+        if len(mail._posted) > before:
+            posts[(kind, mb, src_stage)] = posts.get((kind, mb, src_stage), 0) + 1
+
+    def counted_recv(shape, stage, kind, mb, src_stage):
+        if not mail.here(stage):
+            counts["received"] += 1
+            counts["ahead"] += (kind, mb, src_stage) in posts
+        return recv(shape, stage, kind, mb, src_stage)
+
+    mail.post, mail.recv = counted_post, counted_recv
+    engine.train_step(torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_length)))
+    engine.close()
+    return counts["received"], counts["ahead"], max(posts.values())
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_every_receive_is_posted_once_before_its_action_asks(worlds, schedule):
+    """Host tensors: the runner posts each message's receive once, before the action that
+    needs it (posted when asked, gloo hands a message over only then: the action waits
+    for the hand-over)."""
+    for received, ahead, most in worlds.run(2, _receives, schedule):
+        assert received > 0 and ahead == received and most == 1

@@ -164,10 +164,10 @@ class PipelineRunner:
         with self.ctx.forward_context():
             self.mail.reset(autocast_dtype(self.device.type) or torch.float32)
         window = RECEIVES_AHEAD_HOST if self.device.type == "cpu" else RECEIVES_AHEAD
-        posted = 0  # actions whose receives are posted (each action's once)
+        posted = 0  # actions whose receives are posted (each action's once, this one first)
         with torch.set_grad_enabled(train):
             for i, a in enumerate(actions):
-                for ahead in actions[max(posted, i + 1):i + 1 + window]:
+                for ahead in actions[max(posted, i):i + 1 + window]:
                     self._post_receives(ahead, st)
                 posted = max(posted, i + 1 + window)
                 if a.kind == "F":
