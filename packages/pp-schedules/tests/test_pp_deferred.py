@@ -68,6 +68,7 @@ def test_input_then_weight_gives_the_whole_backward(dtype, recompute):
         # I left every linear weight to W and gave the rest (norms, the bias) at once
         assert (after_input[name] is None) == (name in linear), name
         assert grad is not None and grad.dtype == torch.float32, name
+        assert grad.grad_fn is None and not grad.requires_grad, name  # W is not recorded
         # laid out as the weight, as autograd's own (a transposed gradient slows every
         # accumulation and optimizer step after it)
         assert grad.stride() == params[name].stride(), name
@@ -86,6 +87,7 @@ def test_microbatches_accumulate_as_the_whole_backward_does(dtype):
         _grads(stage, store, dtype)
     for (name, p), ref in zip(stage.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, ref.grad, rtol=1e-6, atol=1e-6, msg=name)
+        assert p.grad.grad_fn is None, name
 
 
 def test_a_stage_with_another_matrix_keeps_torchs_split():

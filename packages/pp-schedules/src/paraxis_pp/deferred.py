@@ -142,8 +142,11 @@ class DeferredWeights:
         return taken
 
     @staticmethod
+    @torch.no_grad()
     def weight(taken: list) -> None:
-        """W: the kept GEMMs, accumulated into each weight's ``.grad``."""
+        """W: the kept GEMMs, accumulated into each weight's ``.grad`` (not recorded: the
+        kept inputs are the graph's, and a W under grad mode gave every gradient a
+        ``grad_fn`` holding them)."""
         for weight, x, grad, state in taken:
             held = weight.grad
             if held is not None and state[1] is None and held.dtype == x.dtype == grad.dtype:
