@@ -14,7 +14,7 @@ from paraxis import ParallelConfig
 from paraxis.engine.probe import ParityError, Probe
 from paraxis.engine.probe_model import global_microbatches, own_router_coef
 from paraxis.parallel.batch import Batch
-from paraxis.parallel.numerics import BF16_UNIT_ROUNDOFF, bf16_wire_rtol
+from paraxis.parallel.numerics import BF16_UNIT_ROUNDOFF, REDUCTION_RTOL, bf16_wire_rtol
 
 
 @pytest.mark.parametrize(("shards", "microbatches"), [(1, 1), (1, 2), (2, 1), (2, 2), (4, 2)])
@@ -62,7 +62,7 @@ def _engine(reduce_dtype: str, ranks: int = 2) -> SimpleNamespace:
 
 def _probe() -> Probe:
     norms = {"norm.weight": SHARE, "embed.weight": (1 - SHARE**2) ** 0.5}
-    return Probe(torch.zeros(1, 1), 1.0, norms, rtol=1e-5)
+    return Probe(torch.zeros(1, 1), 1.0, norms, rtol=REDUCTION_RTOL)
 
 
 def test_bf16_reduction_slack_is_relative_to_each_parameters_own_norm():

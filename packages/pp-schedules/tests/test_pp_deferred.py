@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 import paraxis
 from paraxis.models.tiny import TinyConfig, TinyTransformer
+from paraxis.testing.tolerance import assert_gradients_close
 from paraxis_pp.deferred import DeferredWeights, uninstall_deferred
 
 CFG = TinyConfig(vocab_size=61, hidden_size=32, num_layers=2, num_heads=4,
@@ -78,16 +79,18 @@ def test_input_then_weight_gives_the_whole_backward(dtype, recompute):
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
 def test_microbatches_accumulate_as_the_whole_backward_does(dtype):
     """A second microbatch's weight gradient is summed into the first's (in the GEMM
-    itself for fp32), as autograd accumulates them."""
+    itself for fp32), as autograd accumulates them: the same fp32 terms summed in
+    another order, so within the shared reduction tolerance (a lost or doubled
+    microbatch is a relative error of 1/2 or 1)."""
     stage = _Stage(recompute=False)
     reference = copy.deepcopy(stage)
     store = DeferredWeights.install(stage)
     for _ in range(2):
         _grads(reference, None, dtype)
         _grads(stage, store, dtype)
-    for (name, p), ref in zip(stage.named_parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, ref.grad, rtol=1e-6, atol=1e-6, msg=name)
-        assert p.grad.grad_fn is None, name
+    got = {name: p.grad for name, p in stage.named_parameters()}
+    assert_gradients_close(got, {n: p.grad for n, p in reference.named_parameters()})
+    assert all(g.grad_fn is None for g in got.values())
 
 
 def test_a_stage_with_another_matrix_keeps_torchs_split():

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from paraxis.parallel.batch import DOC_IDS_KWARG
 from paraxis.runtime.collectives import CommStats, all_reduce_
 from paraxis.runtime.grid import AxisGroup, Grid
+from paraxis.testing.tolerance import FP64_RTOL
 from paraxis_seq.hf_attention import attention_function, interceptable, use_context_attention
 from paraxis_seq.zigzag import shard
 
@@ -130,7 +131,7 @@ def test_one_process_matches_sdpa(mode):
     for _ in range(2):
         use_context_attention(model, _alone(), mode=mode)
     got = model(input_ids=ids, position_ids=pos, use_cache=False).logits
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got, want, rtol=FP64_RTOL, atol=FP64_RTOL)
 
 
 def _alone():
