@@ -23,14 +23,13 @@ trainable matrix (fused expert tensors, GPT-2's ``Conv1D``) keeps torch's split.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paraxis.runtime.differentiable import autocast_dtype
+from paraxis.runtime.differentiable import autocast_as, autocast_state
 
 __all__ = ["DeferredWeights", "uninstall_deferred"]
 
@@ -45,12 +44,6 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def _under(state: tuple[str, torch.dtype | None]) -> Any:
-    """Autocast as it was in the forward (a backward may run on autograd's thread)."""
-    kind, dtype = state
-    return torch.autocast(kind, dtype=dtype) if dtype is not None else contextlib.nullcontext()
-
-
 class _Linear(torch.autograd.Function):
     """``F.linear(x, weight, bias)``; its weight gradient is handed to ``store`` while
     the store is deferring. Under autocast ``x`` is kept in the autocast dtype, as
@@ -59,12 +52,12 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 store: DeferredWeights) -> torch.Tensor:
-        dtype = autocast_dtype(x.device.type)
+        ctx.autocast = autocast_state(x.device)
+        dtype = ctx.autocast[1]
         ctx.store, ctx.has_bias, ctx.x_dtype = store, bias is not None, x.dtype
         # The parameter itself, whose .grad W writes: under recomputation
         # (torch.utils.checkpoint) a saved tensor comes back as a detached alias.
         ctx.param = weight
-        ctx.autocast = (x.device.type, dtype)
         x = x if dtype is None else x.to(dtype)  # autocast's own cast, done once
         ctx.save_for_backward(x, weight)
         return F.linear(x, weight, bias)
@@ -73,7 +66,7 @@ class _Linear(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         x, weight = ctx.saved_tensors
         grad_x = grad_w = grad_b = None
-        with _under(ctx.autocast):
+        with autocast_as(ctx.autocast):
             if ctx.needs_input_grad[0]:
                 grad_x = (grad @ weight).to(ctx.x_dtype)
             if ctx.needs_input_grad[1]:
@@ -152,7 +145,7 @@ class DeferredWeights:
             if held is not None and state[1] is None and held.dtype == x.dtype == grad.dtype:
                 held.addmm_(_flat(grad).t(), _flat(x))  # summed in the GEMM: no temporary
                 continue
-            with _under(state):
+            with autocast_as(state):
                 g = _weight_grad(x, grad).to(weight.dtype)
             if held is None:
                 weight.grad = g

@@ -107,13 +107,13 @@ class PipelineRunner:
         # (action, start, end) in the machine's monotonic clock, shared by local ranks.
         self.timeline: list[tuple[Action, float, float]] = []
         self.mail = Mailbox(group, schedule, self.device)
-        # Chunks whose split backward defers the linear layers' weight GEMMs to W
-        # (stage 0 runs its whole backward at W: nothing to defer).
-        split = {a.chunk for a in schedule.actions[self.rank] if a.kind == "I"}
-        self.deferred = [DeferredWeights.install(c)
-                         if i in split and schedule.stage(self.rank, i) > 0 else None
-                         for i, c in enumerate(chunks)]
+        # (microbatch, chunk) whose backward is split; chunks among them defer the linear
+        # layers' weight GEMMs to W (stage 0 runs its whole backward at W: none to defer).
         self._split = {(a.mb, a.chunk) for a in schedule.actions[self.rank] if a.kind == "I"}
+        split_chunks = {chunk for _, chunk in self._split}
+        self.deferred = [DeferredWeights.install(c)
+                         if i in split_chunks and schedule.stage(self.rank, i) > 0 else None
+                         for i, c in enumerate(chunks)]
 
     # ---- messaging ---------------------------------------------------------------
 

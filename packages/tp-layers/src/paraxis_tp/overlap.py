@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paraxis.runtime.differentiable import autocast_dtype, wire_dtype
+from paraxis.runtime.differentiable import autocast_as, autocast_state, wire_dtype
 from paraxis.runtime.group import AxisGroup
 from paraxis.runtime.ring import ring_gather, ring_reduce_scatter
 
@@ -51,16 +51,6 @@ def eligible(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
 
 
-def _autocast(device: torch.device) -> tuple[str, torch.dtype | None]:
-    return device.type, autocast_dtype(device.type)
-
-
-def _under(state: tuple[str, torch.dtype | None]) -> Any:
-    """Autocast as it was in the forward (the backward runs on autograd's thread)."""
-    kind, dtype = state
-    return torch.autocast(kind, dtype=dtype, enabled=dtype is not None)
-
-
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
@@ -71,7 +61,7 @@ class _GatherLinears(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: AxisGroup, *params: Any) -> Any:
         weights, biases = params[0::2], params[1::2]
-        ctx.group, ctx.wire, ctx.autocast = group, wire_dtype(x), _autocast(x.device)
+        ctx.group, ctx.wire, ctx.autocast = group, wire_dtype(x), autocast_state(x.device)
         ctx.set_materialize_grads(False)  # None for an output nothing used
         outs: list[list[torch.Tensor]] = [[] for _ in weights]
         order: list[int] = []
@@ -115,7 +105,7 @@ class _GatherLinears(torch.autograd.Function):
                 if ctx.has_bias[i]:
                     out[2 * i + 1] = g.sum(0).to(weights[i].dtype)
 
-        with _under(ctx.autocast):
+        with autocast_as(ctx.autocast):
             grad_x = ring_reduce_scatter(partial, group, wire=ctx.wire,
                                          before_last_wait=weight_grads)
         return (grad_x, None, *out)
@@ -127,7 +117,7 @@ class _LinearScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, group: AxisGroup,
                 ) -> torch.Tensor:
-        ctx.group, ctx.autocast = group, _autocast(x.device)
+        ctx.group, ctx.autocast = group, autocast_state(x.device)
         n = group.size
         if x.shape[SEQ_DIM] % n:
             raise ValueError(f"a sequence of {x.shape[SEQ_DIM]} tokens does not split over "
@@ -146,7 +136,7 @@ class _LinearScatter(torch.autograd.Function):
         def on_block(index: int, block: torch.Tensor) -> None:  # a block of the grad
             grad_x[index] = (block.to(grad.dtype) @ weight).to(x.dtype)
 
-        with _under(ctx.autocast):
+        with autocast_as(ctx.autocast):
             send = grad.contiguous() if ctx.wire is None else grad.to(ctx.wire)
             arrived = ring_gather(send, ctx.group, on_block)
             full = torch.cat([b.to(grad.dtype) for b in arrived], dim=SEQ_DIM)

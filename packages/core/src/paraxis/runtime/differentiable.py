@@ -47,7 +47,9 @@ __all__ = [
     "all_reduce",
     "all_to_all",
     "all_to_all_uneven",
+    "autocast_as",
     "autocast_dtype",
+    "autocast_state",
     "copy_to",
     "on_wire",
     "reduce_from",
@@ -62,6 +64,18 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
     what activations travel in (here, ring attention's K/V, a pipeline's hidden states)."""
     return torch.get_autocast_dtype(device_type) \
         if torch.is_autocast_enabled(device_type) else None
+
+
+def autocast_state(device: torch.device) -> tuple[str, torch.dtype | None]:
+    """Autocast on ``device`` now, for :func:`autocast_as` in a custom function's backward."""
+    return device.type, autocast_dtype(device.type)
+
+
+def autocast_as(state: tuple[str, torch.dtype | None]) -> Any:
+    """Autocast as :func:`autocast_state` read it (off where it was off): a backward runs
+    on autograd's thread, without the forward's region."""
+    kind, dtype = state
+    return torch.autocast(kind, dtype=dtype, enabled=dtype is not None)
 
 
 def wire_dtype(x: torch.Tensor) -> torch.dtype | None:
