@@ -4,6 +4,7 @@ import pytest
 
 from paraxis.parallel.split import balanced_split, ranges_from_points
 from paraxis_pp import Action, Schedule, ScheduleError, build, check, simulate, theoretical_bubble
+from paraxis_pp.simulate import Timeline
 from paraxis_pp.timeline import render_svg, render_text
 
 GRID = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 4, 8, 16) if m >= p]
@@ -212,3 +213,15 @@ def test_v_orders_are_torchs(name, torch_name):
         if name == "dualpipev" and m < 2 * p:
             continue
         assert build(name, p, m, 2).actions == _torch_order(cls, p, m), (p, m)
+
+
+def test_a_measured_timeline_counts_the_hand_overs_inside_its_makespan():
+    """The p2p part of a measured bubble: each rank's transfer spans, clipped to the
+    makespan (a send awaited after the last action is not the bubble's)."""
+    f0, f1 = Action("F", 0, 0), Action("F", 0, 0)
+    t = Timeline(2, (((f0, 0.0, 4.0),), ((f1, 5.0, 10.0),)), "measured",
+                 transfers=(((4.0, 5.0), (10.0, 12.0)), ((-1.0, 1.0),)))
+    assert t.makespan == 10.0 and t.bubble == pytest.approx(1 - 9 / 20)
+    assert (t.handing(0), t.handing(1)) == (1.0, 1.0)
+    assert t.handing_share == pytest.approx(2 / 20)
+    assert Timeline(2, t.entries).handing_share == 0.0  # simulated: none

@@ -92,6 +92,7 @@ def test_the_run_summary_has_the_measured_timeline(worlds):
         assert name == "pipeline_timeline" and svg.lstrip().startswith("<svg")
         assert "stage 0" in text[0] and "stage 1" in text[0]
         assert text[0].startswith("pipeline 1f1b: measured bubble 0.")
+        assert " of it), theory" in text[0]  # the point-to-point part of the bubble
         assert "theory 0.200 (p=2, m=4, v=1)" in text[0]
 
 
@@ -106,16 +107,19 @@ def _stage_columns(line):
 
 @pytest.mark.parametrize(("schedule", "columns"), [
     # One backward pass computes both gradients: no W column anywhere.
-    ("1f1b", {"stage 0": {"F", "B+W", "idle"}, "stage 1": {"F", "B+W", "idle"}}),
+    # Every rank sends and receives: the part of its idle time spent handing messages
+    # over is measured (p2p).
+    ("1f1b", {"stage 0": {"F", "B+W", "idle", "p2p"}, "stage 1": {"F", "B+W", "idle", "p2p"}}),
     # Split: stage 0 has no input gradient and runs its whole backward at W; it printed
     # "B 0 ms" (issue 32). The last stage measures I and W apart.
-    ("zero_bubble_h1", {"stage 0": {"F", "B+W", "idle"}, "stage 1": {"F", "I", "W", "idle"}}),
+    ("zero_bubble_h1", {"stage 0": {"F", "B+W", "idle", "p2p"},
+                        "stage 1": {"F", "I", "W", "idle", "p2p"}}),
     # A V: rank 0 holds stage 0 (whole backwards at W) and the last stage (I and W apart).
-    ("zbv", {"rank 0 (stages 0, 3)": {"F", "I", "W", "B+W", "idle"},
-             "rank 1 (stages 1, 2)": {"F", "I", "W", "idle"}}),
+    ("zbv", {"rank 0 (stages 0, 3)": {"F", "I", "W", "B+W", "idle", "p2p"},
+             "rank 1 (stages 1, 2)": {"F", "I", "W", "idle", "p2p"}}),
     # DualPipeV runs whole backwards (B) beside the split ones of its drain.
-    ("dualpipev", {"rank 0 (stages 0, 3)": {"F", "I", "W", "B+W", "idle"},
-                   "rank 1 (stages 1, 2)": {"F", "I", "W", "B+W", "idle"}}),
+    ("dualpipev", {"rank 0 (stages 0, 3)": {"F", "I", "W", "B+W", "idle", "p2p"},
+                   "rank 1 (stages 1, 2)": {"F", "I", "W", "B+W", "idle", "p2p"}}),
 ])
 def test_the_stage_times_name_only_passes_that_were_measured(worlds, schedule, columns):
     (((_, (line,)),), _) = worlds.run(2, summarize, schedule)
@@ -123,6 +127,7 @@ def test_the_stage_times_name_only_passes_that_were_measured(worlds, schedule, c
     assert {s: set(c) for s, c in measured.items()} == columns, line
     for stage, cols in measured.items():
         assert all(ms > 0 for k, ms in cols.items() if k != "idle"), (stage, line)
+        assert cols["p2p"] <= cols["idle"], (stage, line)  # handing over lies between actions
 
 
 def _receives(schedule: str):

@@ -10,7 +10,9 @@ tensors over in memory. Activations of a microbatch are dropped as soon as its w
 backward (B) or its weight gradient (W, after a split backward's I) has run. A split
 backward defers the linear layers' weight GEMMs from I to W (:mod:`paraxis_pp.deferred`)
 where a chunk allows it, else splits the graph with torch's helpers. Each action's
-compute time is recorded for the measured timeline.
+compute time is recorded for the measured timeline, and so is the time between actions
+spent handing messages to the transport (posting receives, sending): the part of the
+measured bubble that is point-to-point, not waiting for another stage.
 
 Auxiliary-loss carries (:class:`paraxis.parallel.batch.AuxLosses`): when a strategy declared one,
 each forward sends, beside the hidden states, the sum of the stages' contributions so
@@ -106,6 +108,8 @@ class PipelineRunner:
             self.device = device_for_rank()
         # (action, start, end) in the machine's monotonic clock, shared by local ranks.
         self.timeline: list[tuple[Action, float, float]] = []
+        # (start, end) of this step's hand-overs to the transport: posts and sends.
+        self.transfers: list[tuple[float, float]] = []
         self.mail = Mailbox(group, schedule, self.device)
         # (microbatch, chunk) whose backward is split; chunks among them defer the linear
         # layers' weight GEMMs to W (stage 0 runs its whole backward at W: none to defer).
@@ -118,7 +122,11 @@ class PipelineRunner:
     # ---- messaging ---------------------------------------------------------------
 
     def _send(self, t: torch.Tensor, stage: int, kind: str, mb: int, src_stage: int) -> list:
-        return self.mail.send(t, stage, kind, mb, src_stage)
+        start = time.perf_counter()
+        works = self.mail.send(t, stage, kind, mb, src_stage)
+        if works:  # a message on the wire (not a hand-over between this rank's stages)
+            self.transfers.append((start, time.perf_counter()))
+        return works
 
     def _recv(self, shape: tuple[int, ...], stage: int, kind: str, mb: int,
               src_stage: int) -> torch.Tensor:
@@ -158,7 +166,7 @@ class PipelineRunner:
         st = _Step(microbatches, loss_fn, scale, train, aux_scale,
                    carrying=train and self.ctx.aux_losses.carry_size > 0,
                    total=torch.zeros((), dtype=torch.float64, device=self.device))
-        self.timeline = []
+        self.timeline, self.transfers = [], []
         # Under bf16/fp16 hidden states and their gradients cross stages in that dtype
         # (half the bytes; one rounding more, as the residual stream is fp32).
         with self.ctx.forward_context():
@@ -167,9 +175,11 @@ class PipelineRunner:
         posted = 0  # actions whose receives are posted (each action's once, this one first)
         with torch.set_grad_enabled(train):
             for i, a in enumerate(actions):
+                start = time.perf_counter()
                 for ahead in actions[max(posted, i):i + 1 + window]:
                     self._post_receives(ahead, st)
                 posted = max(posted, i + 1 + window)
+                self.transfers.append((start, time.perf_counter()))
                 if a.kind == "F":
                     self._forward_action(a, st)
                 elif a.kind in ("B", "I"):
@@ -328,7 +338,8 @@ class PipelineRunner:
 
         t = self.measured()
         stages = "; ".join(stage_times(t, self.schedule))
-        line = (f"pipeline {self.schedule.name}: measured bubble {t.bubble:.3f}, theory "
+        line = (f"pipeline {self.schedule.name}: measured bubble {t.bubble:.3f} (p2p "
+                f"{t.handing_share:.3f} of it), theory "
                 f"{theoretical_bubble(self.schedule):.3f} (p={self.schedule.ranks}, "
                 f"m={self.schedule.microbatches}, v={self.schedule.chunks}); {stages}")
         return render_svg(t), line
@@ -336,6 +347,7 @@ class PipelineRunner:
     def measured(self) -> Timeline:
         """This step's timeline gathered from every stage (collective over the group)."""
         rows: list[Any] = [None] * self.group.size
-        dist.all_gather_object(rows, self.timeline, group=self.group.pg)
-        return Timeline(self.group.size, tuple(tuple(r) for r in rows),
-                        f"{self.schedule.name} (measured)")
+        dist.all_gather_object(rows, (self.timeline, self.transfers), group=self.group.pg)
+        return Timeline(self.group.size, tuple(tuple(r[0]) for r in rows),
+                        f"{self.schedule.name} (measured)",
+                        transfers=tuple(tuple(r[1]) for r in rows))

@@ -19,11 +19,17 @@ __all__ = ["Timeline", "simulate", "theoretical_bubble"]
 
 @dataclass(frozen=True)
 class Timeline:
-    """Per rank, (action, start, end); the same shape serves measured timelines."""
+    """Per rank, (action, start, end); the same shape serves measured timelines.
+
+    A measured timeline also holds, per rank, the (start, end) spans its thread spent
+    handing messages to the transport (``transfers``: posting receives, sending). They
+    lie between actions, so they are part of the idle time: what the executor's
+    point-to-point exposes, apart from waiting for another stage."""
 
     ranks: int
     entries: tuple[tuple[tuple[Action, float, float], ...], ...]
     name: str = ""
+    transfers: tuple[tuple[tuple[float, float], ...], ...] = ()
 
     @property
     def makespan(self) -> float:
@@ -39,6 +45,21 @@ class Timeline:
         """Idle share of ranks x makespan: 1 - busy / (ranks x makespan)."""
         total = self.ranks * self.makespan
         return 1.0 - sum(self.busy(r) for r in range(self.ranks)) / total if total else 0.0
+
+    def handing(self, rank: int) -> float:
+        """Seconds of ``rank``'s idle time spent handing messages to the transport
+        (its spans clipped to the makespan)."""
+        if not self.transfers or not self.entries[rank]:
+            return 0.0
+        lo = min(s for row in self.entries for _, s, _ in row)
+        hi = lo + self.makespan
+        return sum(max(0.0, min(e, hi) - max(s, lo)) for s, e in self.transfers[rank])
+
+    @property
+    def handing_share(self) -> float:
+        """The part of :attr:`bubble` spent handing messages to the transport."""
+        total = self.ranks * self.makespan
+        return sum(self.handing(r) for r in range(self.ranks)) / total if total else 0.0
 
 
 def simulate(s: Schedule, *, f: float = 1.0, b: float = 1.0, w: float = 1.0,

@@ -70,7 +70,8 @@ def stage_times(t: Timeline, schedule: Schedule) -> list[str]:
     split backward, which has no input gradient to send and runs its whole backward at
     W, recording no I), ``I`` the input-gradient and ``W`` the weight-gradient pass of a
     split backward. A column never stands for a pass that was not measured (issue 32:
-    stage 0 printed "B 0 ms")."""
+    stage 0 printed "B 0 ms"). ``p2p`` is the part of the idle time a measured rank
+    spent handing messages to the transport (posting receives, sending)."""
     out = []
     for r, row in enumerate(t.entries):
         sums: dict[str, float] = {}
@@ -80,6 +81,8 @@ def stage_times(t: Timeline, schedule: Schedule) -> list[str]:
             sums[label] = sums.get(label, 0.0) + e - s
         cols = [f"{k} {sums[k] * 1e3:.3g} ms" for k in ("F", "I", "W", "B+W") if k in sums]
         cols.append(f"idle {(t.makespan - t.busy(r)) * 1e3:.3g} ms")
+        if t.transfers and t.transfers[r]:  # of the idle, handing messages over
+            cols.append(f"p2p {t.handing(r) * 1e3:.3g} ms")
         held = [schedule.stage(r, c) for c in range(schedule.chunks)]
         name = f"stage {r}" if len(held) == 1 else f"rank {r} (stages {', '.join(map(str, held))})"
         out.append(f"{name}: {', '.join(cols)}")
