@@ -148,23 +148,25 @@ def main() -> None:
     shutdown()
 
 
-def measure_bubbles(args, ours) -> list[tuple[str, float, float, float]]:
+def measure_bubbles(args, ours) -> list[tuple[str, float, float, float, float]]:
     """Per schedule, over ``--bubble-steps`` steps: the median measured bubble, its closed
-    form (core's paraxis.parallel.bubble: equal costs) and the simulator's bubble at the
-    median costs measured per pass (what the closed form's equal costs leave out)."""
+    form (core's paraxis.parallel.bubble: equal costs), the simulator's bubble at the
+    median costs measured per pass (what the closed form's equal costs leave out) and
+    the median part of the measured bubble spent handing messages to gloo (p2p)."""
     out = []
     for name, chunks in (*((n, c) for n, (c, _) in PAIRS.items()), *OTHERS):
         engine = ours.get(name) or engine_for(args, name, chunks)
         runner = engine.ctx.forward_backward
-        values, costed = [], []
+        values, costed, p2p = [], [], []
         for _ in range(args.bubble_steps):
             engine.train_step(torch.randint(0, 256, (args.batch, args.seq)))
             measured = runner.measured()
             values.append(measured.bubble)
+            p2p.append(measured.handing_share)
             costed.append(simulate(runner.schedule, **pass_costs(measured, runner.schedule)
                                    ).bubble)
         out.append((name, median(values), theoretical_bubble(runner.schedule),
-                    median(costed)))
+                    median(costed), median(p2p)))
         if name not in ours:
             engine.close()
     return out
@@ -196,8 +198,8 @@ def report(args, world, run, bubbles) -> None:
     for n in PAIRS:
         steps += [f"| paraxis {SHOWN[n]} | {med[f'paraxis {n}'] * 1e3:.1f} |",
                   f"| torch {TORCH_NAMES[n]} | {med[f'torch {n}'] * 1e3:.1f} |"]
-    rows = [f"| {n} | {m:.3f} | {t:.3f} | {m / t - 1:+.0%} | {c:.3f} | {m / c - 1:+.0%} |"
-            for n, m, t, c in bubbles]
+    rows = [f"| {n} | {m:.3f} | {t:.3f} | {m / t - 1:+.0%} | {c:.3f} | {m / c - 1:+.0%} | "
+            f"{h:.3f} | {(m - h) / c - 1:+.0%} |" for n, m, t, c, h in bubbles]
     table = "\n".join([
         "## Pipeline parallel: paraxis vs torch.distributed.pipelining (1F1B, ZB-V, "
         "DualPipeV)",
@@ -223,23 +225,26 @@ def report(args, world, run, bubbles) -> None:
         "with 2 chunks per rank:",
         "",
         "| schedule | measured | closed form | vs closed form | simulated at measured "
-        "costs | vs simulated |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "costs | vs simulated | of it p2p | measured less p2p vs simulated |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         *rows,
         "",
         "The simulated column runs paraxis_pp's simulator on the schedule with the median "
         "forward, input-gradient and weight-gradient times of the measured steps (a whole "
         "backward: input gradient plus weight gradient): the uneven costs of real passes "
         "that the closed form's equal costs leave out. What the measured bubble adds to "
-        "it is the executor's: point-to-point waits and message posting (gloo, ranks "
+        "it is the executor's. The p2p column is the part the ranks spent handing "
+        "messages to gloo between actions (posting receives, sending: on loopback TCP a "
+        "send to a posted receive writes the message in the caller's thread), the rest "
+        "is waiting for another stage and the runner's own steps between actions (ranks "
         "sharing the cores).",
     ])
     if not args.no_write:
         write_section("pp_vs_torch", table, {
             "args": vars(args), "median_step_s": med, "ratios": ratios, "bubbles": bubbles,
             "round_medians_s": {k: run.medians(k) for k in run.walls}})
-    print("\n".join(f"{n}: measured bubble {m:.3f}, closed form {t:.3f}, simulated at "
-                    f"measured costs {c:.3f}" for n, m, t, c in bubbles))
+    print("\n".join(f"{n}: measured bubble {m:.3f} (p2p {h:.3f}), closed form {t:.3f}, "
+                    f"simulated at measured costs {c:.3f}" for n, m, t, c, h in bubbles))
     for n in ("1f1b", "dualpipev", "zbv"):
         print(ratio_line(f"ratio paraxis/torch {SHOWN[n]} (median step time)", ratios[n],
                          bold=False))
