@@ -110,8 +110,10 @@ def _stage_columns(line):
     # Every rank sends and receives: the part of its idle time spent handing messages
     # over is measured (p2p).
     ("1f1b", {"stage 0": {"F", "B+W", "idle", "p2p"}, "stage 1": {"F", "B+W", "idle", "p2p"}}),
-    # Split: stage 0 has no input gradient and runs its whole backward at W; it printed
-    # "B 0 ms" (issue 32). The last stage measures I and W apart.
+    # Split: the tiny model's stage 0 holds a learned position table, which keeps
+    # torch's split (no deferred weight GEMMs): no input gradient to send, its whole
+    # backward runs at W; it printed "B 0 ms" (issue 32). The last stage measures I and
+    # W apart.
     ("zero_bubble_h1", {"stage 0": {"F", "B+W", "idle", "p2p"},
                         "stage 1": {"F", "I", "W", "idle", "p2p"}}),
     # A V: rank 0 holds stage 0 (whole backwards at W) and the last stage (I and W apart).
