@@ -4,6 +4,7 @@ item 5): a Llama from config (0.50B parameters by default) over data 8, two step
     python benchmarks/zero3_rss.py            # runs `paraxis train` itself
     python benchmarks/zero3_rss.py --activation-checkpointing full --zero-prefetch 0
     python benchmarks/zero3_rss.py --no-write
+    python benchmarks/zero3_rss.py --peer fsdp2     # the same model and steps under FSDP2
 
 The run is launched as a user launches it: ``paraxis train --config <yaml>`` with no
 ``MALLOC_*`` variable in the environment (they are removed), so whatever the launcher
@@ -14,6 +15,14 @@ most 0.5 x the whole fp32 model + 0.7 GB (the issue's; the model state of ZeRO-3
 ranks is 16/8 = 2 bytes a parameter, 0.5 of the fp32 weights, and the rest is the
 runtime, the gathered layers and activations). Recomputation and ``zero_prefetch`` 0
 (one unit gathered, one reduce-scatter in flight) are the least-memory config.
+
+``--peer fsdp2`` measures torch's FSDP2 the same way, as a peer for what the config
+costs: ``torchrun`` workers build the same Llama on the meta device, ``fully_shard`` the
+embedding, each layer and the head (resharding after forward) and the root, prefetch one
+unit each way (none at ``--zero-prefetch 0``), recompute each layer under
+``--activation-checkpointing full`` (transformers' gradient checkpointing, non-reentrant),
+materialize their shards (normal 0.02, norms 1), then run the same steps: one sequence
+of ``--seq`` random tokens a rank, loss, backward, global-norm clipping at 1 and AdamW.
 """
 
 from __future__ import annotations
@@ -26,8 +35,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 import yaml
 from common import machine, write_section
+
+from paraxis.train.launcher import MALLOC_DEFAULTS
 
 GB = 1e9
 
@@ -54,6 +66,52 @@ def parameters(args: argparse.Namespace) -> int:
     h, i, v = args.hidden, args.intermediate, args.vocab
     layer = 4 * h * h + 3 * h * i + 2 * h
     return args.layers * layer + 2 * v * h + h
+
+
+def fsdp2_worker(args: argparse.Namespace) -> None:
+    """One torchrun worker of the FSDP2 peer (see the module docstring)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    m = config(args, Path("."))["model"]["config"]
+    cfg = AutoConfig.for_model("llama", **m)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    if args.activation_checkpointing == "full":
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    elif args.activation_checkpointing != "none":
+        raise SystemExit("the FSDP2 peer recomputes whole layers only (none or full)")
+    units = [model.model.embed_tokens, *model.model.layers, model.lm_head]
+    for unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh)
+    if args.zero_prefetch > 0:
+        for i, unit in enumerate(units):
+            unit.set_modules_to_forward_prefetch(units[i + 1:i + 1 + args.zero_prefetch])
+            unit.set_modules_to_backward_prefetch(units[max(0, i - args.zero_prefetch):i][::-1])
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            local = p.to_local()
+            local.fill_(1.0) if "norm" in name else local.normal_(0.0, 0.02)
+        rotary = model.model.rotary_emb
+        inv_freq, _ = rotary.compute_default_rope_parameters(cfg)
+        rotary.inv_freq.copy_(inv_freq)
+        rotary.original_inv_freq.copy_(inv_freq)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model.train()
+    for _ in range(args.steps):
+        ids = torch.randint(0, args.vocab, (args.ranks // dist.get_world_size(), args.seq))
+        model(input_ids=ids, labels=ids).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    dist.destroy_process_group()
 
 
 def workers(launcher: int) -> dict[int, int]:
@@ -108,17 +166,29 @@ def main() -> int:
                    choices=("none", "selective", "full"))
     p.add_argument("--zero-prefetch", type=int, default=1,
                    help="parallelism.zero_prefetch (0: the least memory)")
+    p.add_argument("--peer", choices=("fsdp2",), default=None,
+                   help="measure torch's FSDP2 on the same model and steps instead")
+    p.add_argument("--fsdp2-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args()
+    if args.fsdp2_worker:
+        fsdp2_worker(args)
+        return 0
     n = parameters(args)
     bound = 0.5 * 4 * n + 0.7 * GB
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "run.yaml"
         path.write_text(yaml.safe_dump(config(args, Path(tmp))))
         env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+        command = [sys.executable, "-m", "paraxis", "train", "--config", str(path)]
+        if args.peer == "fsdp2":  # the same malloc thresholds as paraxis's CPU workers
+            env.update(MALLOC_DEFAULTS)
+            env.setdefault("OMP_NUM_THREADS", "1")
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       f"--nproc-per-node={args.ranks}", __file__, "--fsdp2-worker",
+                       *sys.argv[1:]]
         start = time.monotonic()
-        proc = subprocess.Popen([sys.executable, "-m", "paraxis", "train", "--config",
-                                 str(path)], env=env)
+        proc = subprocess.Popen(command, env=env)
         peaks: dict[int, int] = {}
         while proc.poll() is None:
             for rank, pid in workers(proc.pid).items():
@@ -127,8 +197,9 @@ def main() -> int:
                     peaks[rank] = max(peaks.get(rank, 0), peak)
             time.sleep(0.2)
         wall = time.monotonic() - start
+    who = "torchrun (FSDP2 peer)" if args.peer else "paraxis train"
     if proc.returncode != 0 or len(peaks) != args.ranks:
-        print(f"paraxis train exited {proc.returncode}; ranks seen: {sorted(peaks)}")
+        print(f"{who} exited {proc.returncode}; ranks seen: {sorted(peaks)}")
         return 1
     rows = [f"| {r} | {peaks[r] / GB:.3f} | {peaks[r] / (4 * n):.3f} |" for r in sorted(peaks)]
     worst = max(peaks.values())
@@ -138,13 +209,23 @@ def main() -> int:
         ("" if ahead == 1 else f", zero_prefetch {ahead}")
     flag = ("" if ac == "none" else f" --activation-checkpointing {ac}") + \
         ("" if ahead == 1 else f" --zero-prefetch {ahead}")
+    if args.peer:
+        heading = f"## The FSDP2 peer of the ZeRO-3 peak RSS per rank (issue 36, item 5){title}"
+        what = (f"FSDP2 over data {args.ranks} (module docstring: the same units, prefetch "
+                f"{ahead}), {args.steps} steps of {args.ranks} x {args.seq} tokens, its "
+                "workers started by torchrun with the MALLOC_* thresholds paraxis's "
+                "launcher gives its CPU workers")
+        flag += f" --peer {args.peer}"
+    else:
+        heading = f"## ZeRO-3 peak RSS per rank through `paraxis train` (issue 36, item 5){title}"
+        what = (f"ZeRO-3 over data {args.ranks}, {args.steps} steps of {args.ranks} x "
+                f"{args.seq} tokens, no MALLOC_* in the environment")
     text = "\n".join([
-        f"## ZeRO-3 peak RSS per rank through `paraxis train` (issue 36, item 5){title}", "",
+        heading, "",
         f"`python benchmarks/zero3_rss.py{flag}` (Llama from config: {n / 1e9:.2f}B parameters, "
         f"hidden {args.hidden}, intermediate {args.intermediate}, {args.layers} layers, "
-        f"vocabulary {args.vocab}; whole model {4 * n / GB:.2f} GB in fp32; ZeRO-3 over "
-        f"data {args.ranks}, {args.steps} steps of {args.ranks} x {args.seq} tokens, no "
-        f"MALLOC_* in the environment; {machine()}; {wall:.0f} s). Peak RSS is each "
+        f"vocabulary {args.vocab}; whole model {4 * n / GB:.2f} GB in fp32; {what}; "
+        f"{machine()}; {wall:.0f} s). Peak RSS is each "
         "worker's VmHWM (forked workers counted in start order; their pages shared with the "
         "launcher count in each).", "",
         "| rank | peak RSS (GB) | of the whole fp32 model |", "| ---: | ---: | ---: |",
@@ -153,8 +234,8 @@ def main() -> int:
         f"{bound / GB:.3f} GB: {'met' if ok else 'not met'}."])
     print(text)
     if not args.no_write:
-        name = "zero3_rss" + ("" if ac == "none" else f"_{ac}") + \
-            ("" if ahead == 1 else f"_prefetch{ahead}")
+        name = "zero3_rss" + (f"_{args.peer}" if args.peer else "") + \
+            ("" if ac == "none" else f"_{ac}") + ("" if ahead == 1 else f"_prefetch{ahead}")
         write_section(name, text, {"peaks": peaks, "parameters": n, "bound": bound,
                                    "wall_s": wall})
     return 0 if ok else 1
