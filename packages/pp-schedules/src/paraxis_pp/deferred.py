@@ -29,19 +29,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paraxis.runtime.differentiable import autocast_as, autocast_state
+from paraxis.runtime.differentiable import (
+    autocast_as,
+    autocast_state,
+    linear_weight_grad,
+    plain_linear,
+)
 
 __all__ = ["DeferredWeights", "uninstall_deferred"]
-
-
-def _plain_linear(module: nn.Module) -> bool:
-    """``nn.Linear``'s own forward, not replaced on the instance by another axis."""
-    return (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
-            and "forward" not in vars(module))
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1, t.shape[-1])
 
 
 class _Linear(torch.autograd.Function):
@@ -73,15 +68,10 @@ class _Linear(torch.autograd.Function):
                 if ctx.store.deferring:
                     ctx.store.pending.append((ctx.param, x, grad, ctx.autocast))
                 else:
-                    grad_w = _weight_grad(x, grad).to(weight.dtype)
+                    grad_w = linear_weight_grad(x, grad).to(weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
-                grad_b = _flat(grad).sum(0).to(weight.dtype)
+                grad_b = grad.flatten(0, -2).sum(0).to(weight.dtype)
         return grad_x, grad_w, grad_b, None
-
-
-def _weight_grad(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """dW = dY^T X, laid out as the weight (autograd's own product for nn.Linear)."""
-    return _flat(grad).t() @ _flat(x)
 
 
 class _DeferredForward:
@@ -113,7 +103,7 @@ class DeferredWeights:
         """Route ``chunk``'s plain linear layers through the deferrable backward when every
         trainable matrix of the chunk is a linear weight or an embedding table (a lookup
         has no weight GEMM); else None (torch's generic split)."""
-        linears = [m for m in chunk.modules() if _plain_linear(m)]
+        linears = [m for m in chunk.modules() if plain_linear(m)]
         covered = {id(m.weight) for m in linears}
         covered |= {id(m.weight) for m in chunk.modules() if isinstance(m, nn.Embedding)}
         if not linears or any(p.requires_grad and p.dim() >= 2 and id(p) not in covered
@@ -143,10 +133,11 @@ class DeferredWeights:
         for weight, x, grad, state in taken:
             held = weight.grad
             if held is not None and state[1] is None and held.dtype == x.dtype == grad.dtype:
-                held.addmm_(_flat(grad).t(), _flat(x))  # summed in the GEMM: no temporary
+                # summed in the GEMM: no temporary
+                held.addmm_(grad.flatten(0, -2).t(), x.flatten(0, -2))
                 continue
             with autocast_as(state):
-                g = _weight_grad(x, grad).to(weight.dtype)
+                g = linear_weight_grad(x, grad).to(weight.dtype)
             if held is None:
                 weight.grad = g
             else:

@@ -56,7 +56,7 @@ from paraxis.parallel.anatomy import Anatomy
 from paraxis.parallel.model_plan import ModelPlan, PlanError
 from paraxis.parallel.placement import placement_of, set_placement
 from paraxis.parallel.standins import Absent
-from paraxis.runtime.differentiable import copy_to
+from paraxis.runtime.differentiable import copy_to, plain_linear
 from paraxis.runtime.grid import AxisGroup
 from paraxis_tp.adapters import shard_column_adapter, shard_row_adapter
 from paraxis_tp.cross_entropy import VocabParallelLoss
@@ -67,7 +67,7 @@ from paraxis_tp.layers import (
     shard_embedding,
     shard_row,
 )
-from paraxis_tp.overlap import OverlappedEntry, eligible
+from paraxis_tp.overlap import OverlappedEntry
 from paraxis_tp.regions import (
     REGION_STYLES,
     enter_region,
@@ -191,7 +191,7 @@ def apply_tensor_plan(model: nn.Module, plan: ModelPlan, anatomy: Anatomy, group
             if sp and gather and not in_block:
                 # Not overlapped: a mixer run whole rebinds this entry (Megatron's f).
                 entry = out.gathered_entries[name] = Entry(enter)
-            elif overlap and eligible(module):
+            elif overlap and plain_linear(module):
                 entry = None if in_block else OverlappedEntry(group)
                 (fused.setdefault(parent, OverlappedEntry(group)) if in_block
                  else entry).add(module)
@@ -221,7 +221,7 @@ def apply_tensor_plan(model: nn.Module, plan: ModelPlan, anatomy: Anatomy, group
                                                         style=style, **row)
             else:
                 shard_row(module, group, memo, **row,
-                          overlap=overlap and not head and eligible(module))
+                          overlap=overlap and not head and plain_linear(module))
         elif style == "embedding_rowwise":
             _check_type(name, module, style, nn.Embedding)
             shard_embedding(module, group, memo,

@@ -37,22 +37,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paraxis.runtime.differentiable import autocast_as, autocast_state, wire_dtype
+from paraxis.runtime.differentiable import (
+    autocast_as,
+    autocast_state,
+    linear_weight_grad,
+    wire_dtype,
+)
 from paraxis.runtime.group import AxisGroup
 from paraxis.runtime.ring import ring_gather, ring_reduce_scatter
 
-__all__ = ["OverlappedEntry", "eligible", "overlap_row"]
+__all__ = ["OverlappedEntry", "overlap_row"]
 
 SEQ_DIM = -2  # as paraxis_tp.layers.SEQ_DIM (this module is imported by that one)
-
-
-def eligible(module: nn.Module) -> bool:
-    """Whether ``module`` computes ``nn.Linear``'s own forward (so it can be fused)."""
-    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1, t.shape[-1])
 
 
 class _GatherLinears(torch.autograd.Function):
@@ -100,10 +96,9 @@ class _GatherLinears(torch.autograd.Function):
 
         def weight_grads() -> None:  # while the last hop of the input gradient travels
             for i in used:
-                g = _flat(grads[i])
-                out[2 * i] = (g.t() @ _flat(full)).to(weights[i].dtype)
+                out[2 * i] = linear_weight_grad(full, grads[i]).to(weights[i].dtype)
                 if ctx.has_bias[i]:
-                    out[2 * i + 1] = g.sum(0).to(weights[i].dtype)
+                    out[2 * i + 1] = grads[i].flatten(0, -2).sum(0).to(weights[i].dtype)
 
         with autocast_as(ctx.autocast):
             grad_x = ring_reduce_scatter(partial, group, wire=ctx.wire,
@@ -140,7 +135,7 @@ class _LinearScatter(torch.autograd.Function):
             send = grad.contiguous() if ctx.wire is None else grad.to(ctx.wire)
             arrived = ring_gather(send, ctx.group, on_block)
             full = torch.cat([b.to(grad.dtype) for b in arrived], dim=SEQ_DIM)
-            grad_w = (_flat(full).t() @ _flat(x)).to(weight.dtype)
+            grad_w = linear_weight_grad(x, full).to(weight.dtype)
         return torch.cat(grad_x, dim=SEQ_DIM), grad_w, None  # type: ignore[arg-type]
 
 

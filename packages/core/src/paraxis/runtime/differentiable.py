@@ -51,7 +51,9 @@ __all__ = [
     "autocast_dtype",
     "autocast_state",
     "copy_to",
+    "linear_weight_grad",
     "on_wire",
+    "plain_linear",
     "reduce_from",
     "reduce_scatter",
     "split",
@@ -76,6 +78,21 @@ def autocast_as(state: tuple[str, torch.dtype | None]) -> Any:
     on autograd's thread, without the forward's region."""
     kind, dtype = state
     return torch.autocast(kind, dtype=dtype, enabled=dtype is not None)
+
+
+def plain_linear(module: torch.nn.Module) -> bool:
+    """An ``nn.Linear`` running ``nn.Linear``'s own forward (not a subclass's, and not
+    replaced on the instance by another axis): what a custom linear backward may stand in
+    for without dropping someone else's forward."""
+    return (isinstance(module, torch.nn.Linear)
+            and type(module).forward is torch.nn.Linear.forward
+            and "forward" not in vars(module))
+
+
+def linear_weight_grad(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``dW = dY^T X`` of ``F.linear`` over every leading dim, laid out as the weight
+    (autograd's own product)."""
+    return grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
 
 
 def wire_dtype(x: torch.Tensor) -> torch.dtype | None:
