@@ -56,7 +56,6 @@ import paraxis
 from paraxis import ParallelConfig, shutdown
 from paraxis.config.parallel import V_SCHEDULES
 from paraxis.parallel.split import stage_of
-from paraxis_pp.actions import Schedule
 from paraxis_pp.deferred import uninstall_deferred
 from paraxis_pp.simulate import Timeline, simulate, theoretical_bubble
 
@@ -184,8 +183,7 @@ def measure_bubbles(args, ours) -> list[tuple[str, float, float, float, float, l
             measured = runner.measured()
             values.append(measured.bubble)
             p2p.append(measured.handing_share)
-            costed.append(simulate(runner.schedule, **pass_costs(measured, runner.schedule)
-                                   ).bubble)
+            costed.append(simulate(runner.schedule, **pass_costs(measured)).bubble)
         out.append((name, median(values), theoretical_bubble(runner.schedule),
                     median(costed), median(p2p), values))
         if name not in ours:
@@ -193,17 +191,14 @@ def measure_bubbles(args, ours) -> list[tuple[str, float, float, float, float, l
     return out
 
 
-def pass_costs(t: Timeline, schedule: Schedule) -> dict[str, float]:
+def pass_costs(t: Timeline) -> dict[str, float]:
     """Median seconds of a forward, an input gradient and a weight gradient over every
-    rank (a whole backward counts as input gradient; the first stage's W of a split
-    backward that recorded no I, which holds its whole backward, is left out)."""
+    rank (a whole backward, B, counts as input gradient where no I was measured; the
+    runner records a W that ran a whole backward as B)."""
     kinds: dict[str, list[float]] = {"F": [], "B": [], "I": [], "W": []}
-    for r, row in enumerate(t.entries):
-        measured_i = {(a.mb, a.chunk) for a, _, _ in row if a.kind == "I"}
+    for row in t.entries:
         for a, start, end in row:
-            if not (a.kind == "W" and schedule.stage(r, a.chunk) == 0
-                    and (a.mb, a.chunk) not in measured_i):
-                kinds[a.kind].append(end - start)
+            kinds[a.kind].append(end - start)
     w = median(kinds["W"]) if kinds["W"] else 0.0
     b = median(kinds["I"]) if kinds["I"] else median(kinds["B"])
     return {"f": median(kinds["F"]), "b": b, "w": w}

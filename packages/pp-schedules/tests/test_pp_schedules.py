@@ -227,16 +227,18 @@ def test_a_measured_timeline_counts_the_hand_overs_inside_its_makespan():
     assert Timeline(2, t.entries).handing_share == 0.0  # simulated: none
 
 
-def test_stage_0s_weight_pass_is_a_whole_backward_only_where_it_measured_no_i():
+def test_stage_0s_whole_backward_is_b_plus_w_and_its_split_one_i_and_w():
     """Without deferred weight GEMMs stage 0's I does nothing and its W runs the whole
-    backward (B+W); with them it measures I and W apart."""
+    backward, which the runner records as a B (test_pp_tiny runs it): B+W; with them it
+    measures I and W apart."""
     from paraxis_pp.timeline import stage_times
 
     s = build("zero_bubble_h1", 2, 2)
     i0, w0, ms = Action("I", 0, 0), Action("W", 0, 0), 1e-3
     f0 = (Action("F", 0, 0), 0.0, 1 * ms)
     other = ((Action("F", 0, 0), 1 * ms, 2 * ms),)
-    whole, _ = stage_times(Timeline(2, ((f0, (w0, 3 * ms, 5 * ms)), other)), s)
+    b0 = Action("B", 0, 0)
+    whole, _ = stage_times(Timeline(2, ((f0, (b0, 3 * ms, 5 * ms)), other)), s)
     split, _ = stage_times(Timeline(2, ((f0, (i0, 3 * ms, 4 * ms), (w0, 4 * ms, 5 * ms)),
                                         other)), s)
     assert "B+W 2 ms" in whole and " I " not in whole and " W " not in whole, whole

@@ -10,9 +10,10 @@ tensors over in memory. Activations of a microbatch are dropped as soon as its w
 backward (B) or its weight gradient (W, after a split backward's I) has run. A split
 backward defers the linear layers' weight GEMMs from I to W (:mod:`paraxis_pp.deferred`)
 where a chunk allows it, else splits the graph with torch's helpers. Each action's
-compute time is recorded for the measured timeline, and so is the time between actions
-spent handing messages to the transport (posting receives, sending): the part of the
-measured bubble that is point-to-point, not waiting for another stage.
+compute time is recorded for the measured timeline (a W that ran a whole backward as
+the B it was), beside the mailbox's hand-overs to the transport between actions
+(posting receives, sending): the part of the measured bubble that is point-to-point,
+not waiting for another stage.
 
 Auxiliary-loss carries (:class:`paraxis.parallel.batch.AuxLosses`): when a strategy declared one,
 each forward sends, beside the hidden states, the sum of the stages' contributions so
@@ -108,8 +109,6 @@ class PipelineRunner:
             self.device = device_for_rank()
         # (action, start, end) in the machine's monotonic clock, shared by local ranks.
         self.timeline: list[tuple[Action, float, float]] = []
-        # (start, end) of this step's hand-overs to the transport: posts and sends.
-        self.transfers: list[tuple[float, float]] = []
         self.mail = Mailbox(group, schedule, self.device)
         # (microbatch, chunk) whose backward is split; chunks among them defer the linear
         # layers' weight GEMMs to W. Stage 0 too: it has no input gradient to send, but
@@ -125,11 +124,7 @@ class PipelineRunner:
     # ---- messaging ---------------------------------------------------------------
 
     def _send(self, t: torch.Tensor, stage: int, kind: str, mb: int, src_stage: int) -> list:
-        start = time.perf_counter()
-        works = self.mail.send(t, stage, kind, mb, src_stage)
-        if works:  # a message on the wire (not a hand-over between this rank's stages)
-            self.transfers.append((start, time.perf_counter()))
-        return works
+        return self.mail.send(t, stage, kind, mb, src_stage)
 
     def _recv(self, shape: tuple[int, ...], stage: int, kind: str, mb: int,
               src_stage: int) -> torch.Tensor:
@@ -169,7 +164,7 @@ class PipelineRunner:
         st = _Step(microbatches, loss_fn, scale, train, aux_scale,
                    carrying=train and self.ctx.aux_losses.carry_size > 0,
                    total=torch.zeros((), dtype=torch.float64, device=self.device))
-        self.timeline, self.transfers = [], []
+        self.timeline = []
         # Under bf16/fp16 hidden states and their gradients cross stages in that dtype
         # (half the bytes; one rounding more, as the residual stream is fp32).
         with self.ctx.forward_context():
@@ -178,11 +173,9 @@ class PipelineRunner:
         posted = 0  # actions whose receives are posted (each action's once, this one first)
         with torch.set_grad_enabled(train):
             for i, a in enumerate(actions):
-                start = time.perf_counter()
                 for ahead in actions[max(posted, i):i + 1 + window]:
                     self._post_receives(ahead, st)
                 posted = max(posted, i + 1 + window)
-                self.transfers.append((start, time.perf_counter()))
                 if a.kind == "F":
                     self._forward_action(a, st)
                 elif a.kind in ("B", "I"):
@@ -190,8 +183,12 @@ class PipelineRunner:
                 else:  # W: weight gradients of a split backward
                     start = time.perf_counter()
                     key = (a.mb, a.chunk)
-                    self._weight_grads(key, st.outputs[key], st.grads.pop(key))
-                    self._record(a, start)
+                    saved = st.grads.pop(key)
+                    self._weight_grads(key, st.outputs[key], saved)
+                    # A W that ran the whole backward (torch's split on stage 0, or no
+                    # split helpers at all) is recorded as the B it was.
+                    self._record(a if saved[0] != "full" else Action("B", a.mb, a.chunk),
+                                 start)
                     st.inputs.pop(key), st.outputs.pop(key)
         with guard(self.group, "send"):
             for work in st.sends:
@@ -233,8 +230,8 @@ class PipelineRunner:
             outs += self._backward_aux(key, stage, st)
         start = time.perf_counter()
         x_grad = self._backward(key, outs, grad, st, stage, whole=a.kind == "B")
-        if a.kind == "B" or stage > 0 or st.grads[key][0] == "deferred":
-            self._record(a, start)  # else stage 0's I did nothing: its backward runs at W
+        if not (a.kind == "I" and stage == 0 and st.grads[key][0] == "full"):
+            self._record(a, start)  # else an I that did nothing: the whole backward is W's
         if stage > 0:
             st.sends += self._send(x_grad, stage - 1, "B", a.mb, stage)
         if st.carrying:
@@ -352,7 +349,8 @@ class PipelineRunner:
     def measured(self) -> Timeline:
         """This step's timeline gathered from every stage (collective over the group)."""
         rows: list[Any] = [None] * self.group.size
-        dist.all_gather_object(rows, (self.timeline, self.transfers), group=self.group.pg)
+        dist.all_gather_object(rows, (self.timeline, self.mail.transfers),
+                               group=self.group.pg)
         return Timeline(self.group.size, tuple(tuple(r[0]) for r in rows),
                         f"{self.schedule.name} (measured)",
                         transfers=tuple(tuple(r[1]) for r in rows))

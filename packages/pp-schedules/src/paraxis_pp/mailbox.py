@@ -9,10 +9,15 @@ this rank works instead of waiting, when the action asks for it, for the sender 
 that a buffer is ready (gloo hands unbound-buffer messages over once a receive is
 posted). Two stages on one rank (the turn of a V placement) hand tensors over in
 memory, with neither a message nor a rounding to the wire dtype.
+
+Each hand-over to the transport (a receive posted, a message sent) is timed into
+``transfers``: on gloo a send to a posted receive writes the message in the caller's
+thread, time the measured bubble would otherwise count as waiting.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -40,9 +45,11 @@ class Mailbox:
         self.wire = torch.float32  # this step's dtype of hidden states on the wire
         self._local: dict[int, torch.Tensor] = {}
         self._posted: dict[int, tuple[torch.Tensor, list[Any]]] = {}
+        # (start, end) of this step's posts and sends, in the machine's monotonic clock.
+        self.transfers: list[tuple[float, float]] = []
 
     def reset(self, wire: torch.dtype) -> None:
-        self.wire, self._local, self._posted = wire, {}, {}
+        self.wire, self._local, self._posted, self.transfers = wire, {}, {}, []
 
     def _peer(self, stage: int) -> int:
         return self.group.ranks[self.schedule.place(stage)[0]]
@@ -57,11 +64,14 @@ class Mailbox:
             return []
         # Hidden states and their gradients travel in the step's wire dtype; carries
         # stay float64.
+        start = time.perf_counter()
         t = (t if kind.startswith("C") else t.to(self.wire)).contiguous()
         op = dist.P2POp(dist.isend, t, self._peer(stage), self.group.pg,
                         _tag(kind, mb, src_stage))
         self.group.stats.add(self.group.axes, "send", t.numel() * t.element_size())
-        return dist.batch_isend_irecv([op])
+        works = dist.batch_isend_irecv([op])
+        self.transfers.append((start, time.perf_counter()))
+        return works
 
     def post(self, shape: tuple[int, ...], stage: int, kind: str, mb: int,
              src_stage: int) -> None:
@@ -69,10 +79,12 @@ class Mailbox:
         tag = _tag(kind, mb, src_stage)
         if tag in self._posted or self.here(stage):
             return
+        start = time.perf_counter()
         dtype = torch.float64 if kind.startswith("C") else self.wire
         buf = torch.empty(shape, device=self.device, dtype=dtype)
         op = dist.P2POp(dist.irecv, buf, self._peer(stage), self.group.pg, tag)
         self._posted[tag] = (buf, dist.batch_isend_irecv([op]))
+        self.transfers.append((start, time.perf_counter()))
 
     def recv(self, shape: tuple[int, ...], stage: int, kind: str, mb: int,
              src_stage: int) -> torch.Tensor:

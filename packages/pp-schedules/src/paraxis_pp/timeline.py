@@ -66,21 +66,18 @@ def _row_name(t: Timeline) -> str:
 
 def stage_times(t: Timeline, schedule: Schedule) -> list[str]:
     """Each rank's time in forward, backward and idle, naming only the passes that ran
-    apart: ``B+W`` is a whole backward (a B action; or the W of the first stage under a
-    split backward that recorded no I: without deferred weight GEMMs it has no input
-    gradient to send and runs its whole backward at W), ``I`` the input-gradient and
-    ``W`` the weight-gradient pass of a split backward. A column never stands for a
+    apart: ``B+W`` is a whole backward (a B action: the runner records a W that ran the
+    whole backward, as on a first stage without deferred weight GEMMs, as the B it
+    was), ``I`` the input-gradient and ``W`` the weight-gradient pass of a split
+    backward. A column never stands for a
     pass that was not measured (issue 32: stage 0 printed "B 0 ms"). ``p2p`` is the
     part of the idle time a measured rank spent handing messages to the transport
     (posting receives, sending)."""
     out = []
     for r, row in enumerate(t.entries):
         sums: dict[str, float] = {}
-        measured_i = {(a.mb, a.chunk) for a, _, _ in row if a.kind == "I"}
         for a, s, e in row:
-            whole = a.kind == "B" or (a.kind == "W" and schedule.stage(r, a.chunk) == 0
-                                      and (a.mb, a.chunk) not in measured_i)
-            label = "B+W" if whole else a.kind
+            label = "B+W" if a.kind == "B" else a.kind
             sums[label] = sums.get(label, 0.0) + e - s
         cols = [f"{k} {sums[k] * 1e3:.3g} ms" for k in ("F", "I", "W", "B+W") if k in sums]
         cols.append(f"idle {(t.makespan - t.busy(r)) * 1e3:.3g} ms")
