@@ -167,14 +167,15 @@ def summary(ratios: list[float], target: float | None, better: Better = "lower")
             "verdict": verdict(ratios, target, better)}
 
 
-def ratio_line(label: str, s: dict, *, bold: bool = True) -> str:
+def ratio_line(label: str, s: dict, *, bold: bool = True, unit: str = "rounds") -> str:
     """The line of a section (and the last line printed): median ratio, spread [min-max]
-    over the rounds, target and verdict."""
+    over the rounds (or whatever ``unit`` the ratios were taken over), target and
+    verdict."""
     b = "**" if bold else ""
     sign = "<=" if s["better"] == "lower" else ">="
     judged = (f"target {sign} {s['target']}: {b}{s['verdict']}{b}"
               if s["target"] is not None else s["verdict"])
-    return (f"{b}{label}: {s['median']:.3f}{b} (median of {len(s['per_round'])} rounds), "
+    return (f"{b}{label}: {s['median']:.3f}{b} (median of {len(s['per_round'])} {unit}), "
             f"spread [{s['min']:.3f}–{s['max']:.3f}]; {judged}")
 
 

@@ -220,8 +220,8 @@ def report_bubbles(args, world, bubbles) -> None:
                     f"{c:.4f} | {h:.4f} |")
         if ratio["target"] is not None:
             verdicts[n] = ratio
-            lines.append(ratio_line(f"{SHOWN[n]}: measured bubble / closed form", ratio)
-                         .replace(" rounds)", " steps)"))
+            lines.append(ratio_line(f"{SHOWN[n]}: measured bubble / closed form", ratio,
+                                    unit="steps"))
     table = "\n".join([
         "## Pipeline bubbles where F, I and W cost alike: measured against the closed form",
         "",

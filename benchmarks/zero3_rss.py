@@ -44,15 +44,19 @@ from paraxis.train.launcher import MALLOC_DEFAULTS
 GB = 1e9
 
 
+def llama_config(args: argparse.Namespace) -> dict:
+    """The Llama's config fields, the same for paraxis and the FSDP2 peer."""
+    return {"hidden_size": args.hidden, "intermediate_size": args.intermediate,
+            "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
+            "num_key_value_heads": args.heads, "vocab_size": args.vocab,
+            "max_position_embeddings": args.seq, "tie_word_embeddings": False}
+
+
 def config(args: argparse.Namespace, root: Path) -> dict:
     return {
         "parallelism": {"data": args.ranks, "zero": 3, "zero_prefetch": args.zero_prefetch},
         "schedule": {"activation_checkpointing": args.activation_checkpointing},
-        "model": {"family": "llama", "config": {
-            "hidden_size": args.hidden, "intermediate_size": args.intermediate,
-            "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
-            "num_key_value_heads": args.heads, "vocab_size": args.vocab,
-            "max_position_embeddings": args.seq, "tie_word_embeddings": False}},
+        "model": {"family": "llama", "config": llama_config(args)},
         "train": {"steps": args.steps, "global_batch": args.ranks, "seq_length": args.seq,
                   "warmup_steps": 0,
                   "log_every": 1, "checkpoint_dir": str(root / "ckpt"),
@@ -78,8 +82,7 @@ def fsdp2_worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    m = config(args, Path("."))["model"]["config"]
-    cfg = AutoConfig.for_model("llama", **m)
+    cfg = AutoConfig.for_model("llama", **llama_config(args))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
     if args.activation_checkpointing == "full":
