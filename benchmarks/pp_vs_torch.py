@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -57,7 +58,7 @@ from paraxis import ParallelConfig, shutdown
 from paraxis.config.parallel import V_SCHEDULES
 from paraxis.parallel.split import stage_of
 from paraxis_pp.deferred import uninstall_deferred
-from paraxis_pp.simulate import Timeline, simulate, theoretical_bubble
+from paraxis_pp.simulate import Timeline, replay, simulate, theoretical_bubble
 
 # paraxis schedule -> (chunks per rank, torch's class for the same order)
 PAIRS = {"1f1b": (1, Schedule1F1B), "zbv": (2, ScheduleZBVZeroBubble),
@@ -163,12 +164,30 @@ def main() -> None:
     shutdown()
 
 
-def measure_bubbles(args, ours) -> list[tuple[str, float, float, float, float, list[float]]]:
-    """Per schedule, over ``--bubble-steps`` steps: the median measured bubble, its closed
-    form (core's paraxis.parallel.bubble: equal costs), the simulator's bubble at the
-    median costs measured per pass (what the closed form's equal costs leave out), the
-    median part of the measured bubble spent handing messages to gloo (p2p) and each
-    step's bubble. An engine not warmed by the rounds first runs ``--warmup`` steps."""
+class Bubble(NamedTuple):
+    """One schedule's bubbles over ``--bubble-steps`` steps (medians)."""
+
+    name: str
+    measured: float
+    closed: float  # core's paraxis.parallel.bubble: equal F, I and W costs
+    simulated: float  # the simulator at the median costs measured per pass
+    p2p: float  # the part of the measured bubble spent handing messages to gloo
+    replayed: float  # each step's own passes, replayed with nothing between them
+    steps: list[float]  # each step's measured bubble
+    replayed_steps: list[float]
+
+    @property
+    def added(self) -> float:
+        """What the executor added: each step's measured less replayed bubble (median)."""
+        return median([m - r for m, r in zip(self.steps, self.replayed_steps, strict=True)])
+
+
+def measure_bubbles(args, ours) -> list[Bubble]:
+    """Per schedule, over ``--bubble-steps`` steps: what :class:`Bubble` holds. The
+    simulated bubble takes the median cost of each kind of pass (what the closed form's
+    equal costs leave out); the replayed one each step's own durations, pass by pass
+    (what their spread adds too; measured less replayed is the executor's part). An
+    engine not warmed by the rounds first runs ``--warmup`` steps."""
     out = []
     for name, chunks in (*((n, c) for n, (c, _) in PAIRS.items()), *OTHERS):
         engine = ours.get(name)
@@ -177,15 +196,16 @@ def measure_bubbles(args, ours) -> list[tuple[str, float, float, float, float, l
             for _ in range(args.warmup):
                 engine.train_step(torch.randint(0, 256, (args.batch, args.seq)))
         runner = engine.ctx.forward_backward
-        values, costed, p2p = [], [], []
+        values, costed, p2p, replayed = [], [], [], []
         for _ in range(args.bubble_steps):
             engine.train_step(torch.randint(0, 256, (args.batch, args.seq)))
             measured = runner.measured()
             values.append(measured.bubble)
             p2p.append(measured.handing_share)
             costed.append(simulate(runner.schedule, **pass_costs(measured)).bubble)
-        out.append((name, median(values), theoretical_bubble(runner.schedule),
-                    median(costed), median(p2p), values))
+            replayed.append(replay(runner.schedule, measured).bubble)
+        out.append(Bubble(name, median(values), theoretical_bubble(runner.schedule),
+                          median(costed), median(p2p), median(replayed), values, replayed))
         if name not in ours:
             engine.close()
     return out
@@ -210,18 +230,25 @@ BUBBLE_TARGET = 1.10
 
 def report_bubbles(args, world, bubbles) -> None:
     """The ``--bubbles-only`` section: each schedule's measured bubble over its closed
-    form, per step (median, spread), judged for the V schedules."""
+    form, per step (median, spread), judged for the V schedules; and the same for the
+    bubble each step's passes make alone (replayed with nothing between them), which no
+    executor can go below."""
     rows, lines, verdicts = [], [], {}
-    for n, m, t, c, h, values in bubbles:
-        ratio = summary([v / t for v in values], BUBBLE_TARGET if n in PAIRS and n != "1f1b"
-                        else None)
-        rows.append(f"| {n} | {m:.4f} [{min(values):.4f}-{max(values):.4f}] | {t:.4f} | "
-                    f"{ratio['median']:.3f} [{ratio['min']:.3f}-{ratio['max']:.3f}] | "
-                    f"{c:.4f} | {h:.4f} |")
-        if ratio["target"] is not None:
-            verdicts[n] = ratio
-            lines.append(ratio_line(f"{SHOWN[n]}: measured bubble / closed form", ratio,
-                                    unit="steps"))
+    for b in bubbles:
+        target = BUBBLE_TARGET if b.name in PAIRS and b.name != "1f1b" else None
+        ratio = summary([v / b.closed for v in b.steps], target)
+        alone = summary([v / b.closed for v in b.replayed_steps], target)
+        rows.append(f"| {b.name} | {b.measured:.4f} [{min(b.steps):.4f}-{max(b.steps):.4f}] "
+                    f"| {b.closed:.4f} | {ratio['median']:.3f} [{ratio['min']:.3f}-"
+                    f"{ratio['max']:.3f}] | {b.simulated:.4f} | {b.replayed:.4f} "
+                    f"[{min(b.replayed_steps):.4f}-{max(b.replayed_steps):.4f}] | "
+                    f"{b.added:.4f} | {b.p2p:.4f} |")
+        if target is not None:
+            verdicts[b.name] = {"measured": ratio, "passes alone": alone}
+            lines += [ratio_line(f"{SHOWN[b.name]}: measured bubble / closed form", ratio,
+                                 unit="steps"),
+                      ratio_line(f"{SHOWN[b.name]}: its passes alone (replayed) / closed "
+                                 "form", alone, bold=False, unit="steps")]
     table = "\n".join([
         "## Pipeline bubbles where F, I and W cost alike: measured against the closed form",
         "",
@@ -234,17 +261,23 @@ def report_bubbles(args, world, bubbles) -> None:
         f"warm-up steps, then {args.bubble_steps} measured). At hidden {args.hidden} and "
         f"{args.seq} tokens GEMMs dominate, so a chunk's forward, input gradient and "
         "weight gradient cost about the same: what the closed forms (core's "
-        "paraxis.parallel.bubble) assume.",
+        "paraxis.parallel.bubble) assume. Simulated: the schedule at the median cost of "
+        "each kind of pass. Its passes alone: each step's schedule replayed on that "
+        "step's own pass durations with nothing between them (paraxis_pp.replay), so "
+        "the executor added measured less replayed (of which p2p: handing messages to "
+        "gloo), and the passes' uneven durations replayed less simulated.",
         "",
         "| schedule | measured bubble, median [spread] | closed form | measured / closed "
-        "form, median [spread] | simulated at measured costs | of it p2p |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "form, median [spread] | simulated at measured costs | its passes alone, "
+        "median [spread] | the executor added | of it p2p |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         *rows, "",
         *[line + "\n" for line in lines],
     ])
     print(table)
     if not args.no_write:
-        write_section("pp_bubbles", table, {"args": vars(args), "bubbles": bubbles,
+        write_section("pp_bubbles", table, {"args": vars(args),
+                                            "bubbles": [b._asdict() for b in bubbles],
                                             "verdicts": verdicts})
 
 
@@ -260,8 +293,9 @@ def report(args, world, run, bubbles) -> None:
     for n in PAIRS:
         steps += [f"| paraxis {SHOWN[n]} | {med[f'paraxis {n}'] * 1e3:.1f} |",
                   f"| torch {TORCH_NAMES[n]} | {med[f'torch {n}'] * 1e3:.1f} |"]
-    rows = [f"| {n} | {m:.3f} | {t:.3f} | {m / t - 1:+.0%} | {c:.3f} | {m / c - 1:+.0%} | "
-            f"{h:.3f} | {(m - h) / c - 1:+.0%} |" for n, m, t, c, h, _ in bubbles]
+    rows = [f"| {b.name} | {b.measured:.3f} | {b.closed:.3f} | {b.measured / b.closed - 1:+.0%} "
+            f"| {b.simulated:.3f} | {b.replayed:.3f} | {b.added:.3f} | "
+            f"{b.p2p:.3f} |" for b in bubbles]
     table = "\n".join([
         "## Pipeline parallel: paraxis vs torch.distributed.pipelining (1F1B, ZB-V, "
         "DualPipeV)",
@@ -287,15 +321,18 @@ def report(args, world, run, bubbles) -> None:
         "with 2 chunks per rank:",
         "",
         "| schedule | measured | closed form | vs closed form | simulated at measured "
-        "costs | vs simulated | of it p2p | measured less p2p vs simulated |",
+        "costs | its passes alone | the executor added | of it p2p |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         *rows,
         "",
         "The simulated column runs paraxis_pp's simulator on the schedule with the median "
         "forward, input-gradient and weight-gradient times of the measured steps (a whole "
         "backward: input gradient plus weight gradient): the uneven costs of real passes "
-        "that the closed form's equal costs leave out. What the measured bubble adds to "
-        "it is the executor's. The p2p column is the part the ranks spent handing "
+        "that the closed form's equal costs leave out. Its passes alone: each step's "
+        "schedule replayed on that step's own pass durations with nothing between them "
+        "(paraxis_pp.replay; medians over the steps): what those passes, uneven and "
+        "varying, leave idle under an executor that costs nothing. The executor added "
+        "the measured bubble less that. The p2p column is the part the ranks spent handing "
         "messages to gloo between actions (posting receives, sending: on loopback TCP a "
         "send to a posted receive writes the message in the caller's thread), the rest "
         "is waiting for another stage and the runner's own steps between actions (ranks "
@@ -303,10 +340,12 @@ def report(args, world, run, bubbles) -> None:
     ])
     if not args.no_write:
         write_section("pp_vs_torch", table, {
-            "args": vars(args), "median_step_s": med, "ratios": ratios, "bubbles": bubbles,
+            "args": vars(args), "median_step_s": med, "ratios": ratios,
+            "bubbles": [b._asdict() for b in bubbles],
             "round_medians_s": {k: run.medians(k) for k in run.walls}})
-    print("\n".join(f"{n}: measured bubble {m:.3f} (p2p {h:.3f}), closed form {t:.3f}, "
-                    f"simulated at measured costs {c:.3f}" for n, m, t, c, h, _ in bubbles))
+    print("\n".join(f"{b.name}: measured bubble {b.measured:.3f} (p2p {b.p2p:.3f}), closed "
+                    f"form {b.closed:.3f}, simulated at measured costs {b.simulated:.3f}, "
+                    f"its passes alone {b.replayed:.3f}" for b in bubbles))
     for n in ("1f1b", "dualpipev", "zbv"):
         print(ratio_line(f"ratio paraxis/torch {SHOWN[n]} (median step time)", ratios[n],
                          bold=False))

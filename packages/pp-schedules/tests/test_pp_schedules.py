@@ -243,3 +243,54 @@ def test_stage_0s_whole_backward_is_b_plus_w_and_its_split_one_i_and_w():
                                         other)), s)
     assert "B+W 2 ms" in whole and " I " not in whole and " W " not in whole, whole
     assert "I 1 ms" in split and "W 1 ms" in split and "B+W" not in split, split
+
+
+def _late(t: Timeline, gap: float) -> Timeline:
+    """``t`` as an executor that adds ``gap`` seconds before every action would run it."""
+    rows = []
+    for row in t.entries:
+        rows.append(tuple((a, start + gap * (i + 1), end + gap * (i + 1))
+                          for i, (a, start, end) in enumerate(row)))
+    return Timeline(t.ranks, tuple(rows), "measured")
+
+
+@pytest.mark.parametrize(("name", "p", "m", "v"), [
+    ("1f1b", 2, 4, 1), ("zero_bubble_h1", 4, 8, 1), ("interleaved_1f1b", 2, 4, 2),
+    ("zbv", 2, 8, 2), ("dualpipev", 4, 8, 2)])
+def test_a_replay_keeps_the_passes_and_drops_what_lay_between_them(name, p, m, v):
+    """Replayed on its own durations, a timeline with nothing between its passes comes
+    back as it was; one whose executor added time before every action comes back
+    without it, its bubble no larger (the executor's part: measured less replayed)."""
+    from paraxis_pp import replay
+
+    s = build(name, p, m, v)
+    exact = simulate(s, f=1.0, b=1.3, w=0.7)
+    again = replay(s, exact)
+    assert [[(a, pytest.approx(x), pytest.approx(y)) for a, x, y in row]
+            for row in again.entries] == [list(row) for row in exact.entries]
+    late = _late(exact, 0.05)
+    assert late.bubble > exact.bubble
+    assert replay(s, late).bubble == pytest.approx(exact.bubble)
+    # The passes' own durations do show: rank 0 slower, the others wait for it.
+    slow = Timeline(p, ((*((a, x, x + 1.5 * (y - x)) for a, x, y in late.entries[0]),),
+                        *late.entries[1:]), "measured")
+    assert replay(s, slow).bubble > exact.bubble + 0.02
+
+
+def test_a_replay_runs_a_whole_backward_recorded_for_w_and_refuses_a_missing_pass():
+    """A stage 0 without deferred weight GEMMs records no I and its W as the B it ran:
+    the replay gives that W the B's duration and the I none. A pass the timeline lacks
+    is an error, not a zero."""
+    from paraxis_pp import replay
+
+    s = build("zero_bubble_h1", 2, 2)
+    exact = simulate(s, f=1.0, b=1.0, w=1.0)
+    rows = [list(row) for row in exact.entries]
+    rows[0] = [(Action("B", a.mb, a.chunk) if a.kind == "W" else a, x, y + (1.0 if a.kind == "W"
+                                                                               else 0.0))
+               for a, x, y in rows[0] if a.kind != "I"]
+    t = replay(s, Timeline(2, tuple(tuple(r) for r in rows), "measured"))
+    took = {a: y - x for a, x, y in t.entries[0]}
+    assert took[Action("I", 0, 0)] == 0.0 and took[Action("W", 1, 0)] == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="rank 1 has no measured F0"):
+        replay(s, Timeline(2, (exact.entries[0], exact.entries[1][1:]), "measured"))

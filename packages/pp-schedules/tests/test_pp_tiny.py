@@ -85,14 +85,18 @@ def summarize(schedule="1f1b"):
 def test_the_run_summary_has_the_measured_timeline(worlds):
     """pp-schedules' ``paraxis_summarize_run`` gives the trainer the last step's measured
     timeline (an SVG with a row per stage) and its bubble against theory, on every
-    stage (the hook is collective over the pipeline group)."""
+    stage (the hook is collective over the pipeline group); the bubble its passes make
+    alone (replayed on their own durations with nothing between them) is no larger."""
     for reports in worlds.run(2, summarize, "1f1b"):
         ((figures, text),) = reports
         ((name, svg),) = figures
         assert name == "pipeline_timeline" and svg.lstrip().startswith("<svg")
         assert "stage 0" in text[0] and "stage 1" in text[0]
         assert text[0].startswith("pipeline 1f1b: measured bubble 0.")
-        assert " of it), theory" in text[0]  # the point-to-point part of the bubble
+        measured = float(text[0].split("measured bubble ")[1].split(" ")[0])
+        alone = float(text[0].split("its passes alone ")[1].split(")")[0])
+        assert " of it, its passes alone " in text[0]  # the point-to-point part
+        assert 0.0 < alone <= measured  # replayed with nothing between the passes
         assert "theory 0.200 (p=2, m=4, v=1)" in text[0]
 
 

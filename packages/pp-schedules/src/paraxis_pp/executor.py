@@ -334,14 +334,16 @@ class PipelineRunner:
 
     def measured_svg(self) -> tuple[str, str]:
         """(SVG picture, one-line summary) of this step's measured timeline, with the
-        measured bubble against theory. Collective over the pipeline group."""
-        from paraxis_pp.simulate import theoretical_bubble
+        measured bubble, its p2p part, the bubble its passes make alone (replayed with
+        nothing between them) and theory. Collective over the pipeline group."""
+        from paraxis_pp.simulate import replay, theoretical_bubble
         from paraxis_pp.timeline import render_svg, stage_times
 
         t = self.measured()
         stages = "; ".join(stage_times(t, self.schedule))
         line = (f"pipeline {self.schedule.name}: measured bubble {t.bubble:.3f} (p2p "
-                f"{t.handing_share:.3f} of it), theory "
+                f"{t.handing_share:.3f} of it, its passes alone "
+                f"{replay(self.schedule, t).bubble:.3f}), theory "
                 f"{theoretical_bubble(self.schedule):.3f} (p={self.schedule.ranks}, "
                 f"m={self.schedule.microbatches}, v={self.schedule.chunks}); {stages}")
         return render_svg(t), line

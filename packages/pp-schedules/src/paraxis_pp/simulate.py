@@ -4,6 +4,7 @@ Each rank runs its actions in order; an action starts when the rank is free and 
 dependencies (:func:`paraxis_pp.check.dependencies`) have finished, plus ``comm`` when
 the dependency ran on another rank. ``f``, ``b`` and ``w`` are the costs of a forward,
 an input gradient and a weight gradient; a whole backward (``B``) costs ``b + w``.
+:func:`replay` runs a schedule on a measured step's own pass durations instead.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from paraxis.parallel.bubble import closed_form_bubble
 from paraxis_pp.check import check, dependencies, passes
 from paraxis_pp.schedules import Action, Schedule
 
-__all__ = ["Timeline", "simulate", "theoretical_bubble"]
+__all__ = ["Timeline", "replay", "simulate", "theoretical_bubble"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,31 @@ class Timeline:
 def simulate(s: Schedule, *, f: float = 1.0, b: float = 1.0, w: float = 1.0,
              comm: float = 0.0) -> Timeline:
     cost = {"F": f, "B": b + w, "I": b, "W": w}
+    return _run(s, lambda r, a: cost[a.kind], comm, s.name)
+
+
+def replay(s: Schedule, measured: Timeline) -> Timeline:
+    """``s`` run again on ``measured``'s own pass durations with nothing between them: the
+    timeline those very passes make under an executor that costs nothing (no
+    communication, no steps of its own). The measured bubble less the replayed one is
+    what the executor added; the replayed one less :func:`simulate`'s at median costs is
+    what the passes' uneven and varying durations added. A W the runner recorded as the
+    whole backward it ran (a B) keeps that duration, and the I that did nothing costs 0."""
+    took = {(r, a): end - start for r, row in enumerate(measured.entries)
+            for a, start, end in row}
+
+    def cost(r: int, a: Action) -> float:
+        if (r, a) in took:
+            return took[r, a]
+        whole = (r, Action("B", a.mb, a.chunk))
+        if a.kind in ("I", "W") and whole in took:
+            return took[whole] if a.kind == "W" else 0.0
+        raise ValueError(f"rank {r} has no measured {a} in {measured.name!r} to replay")
+
+    return _run(s, cost, 0.0, f"{s.name} (replayed)")
+
+
+def _run(s: Schedule, cost, comm: float, name: str) -> Timeline:
     legal = check(s)  # a global order that respects every dependency
     end: dict[tuple[str, int, int], tuple[float, int]] = {}
     free = [0.0] * s.ranks
@@ -74,11 +100,11 @@ def simulate(s: Schedule, *, f: float = 1.0, b: float = 1.0, w: float = 1.0,
         for dep in dependencies(s, r, a):
             t, where = end[dep]
             start = max(start, t + (comm if where != r else 0.0))
-        stop = start + cost[a.kind]
+        stop = start + cost(r, a)
         end.update((done, (stop, r)) for done in passes(s, r, a))
         free[r] = stop
         rows[r].append((a, start, stop))
-    return Timeline(s.ranks, tuple(tuple(row) for row in rows), s.name)
+    return Timeline(s.ranks, tuple(tuple(row) for row in rows), name)
 
 
 def theoretical_bubble(s: Schedule) -> float:
