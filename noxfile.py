@@ -158,11 +158,11 @@ def gpu(session: nox.Session) -> None:
     """The one command a machine with CUDA runs to validate paraxis's CUDA paths
     (paraxis.runtime.cuda_paths): tests/gpu, single-GPU checks that need no second
     device (bf16 autocast, fused AdamW, the stream clock of collectives and MoE timers,
-    a step of a 1B Llama with its MFU), sized for under 10 minutes on one GPU (not yet
-    run on one). Each test skips with one line where CUDA is absent. Then
-    tests/gpu/record.py prints, for each path every test of its file passed, the record
-    to add to its table entry. On Linux, PyPI's torch wheel is the CUDA build (this
-    project's own machines resolve it to a CPU one)."""
+    the pipeline's step timer, a step of a 1B Llama with its MFU), sized for under 10
+    minutes on one GPU (not yet run on one). Each test skips with one line where CUDA
+    is absent. Then tests/gpu/record.py prints, for each path every test of its file
+    passed, the record to add to its table entry. On Linux, PyPI's torch wheel is the
+    CUDA build (this project's own machines resolve it to a CPU one)."""
     install_all(session)
     session.install(*PINNED, "transformers", "pytest", "pytest-timeout")
     junit = str(Path(session.create_tmp()) / "gpu-junit.xml")

@@ -185,7 +185,8 @@ def median(xs: list[float]) -> float:
 
 def machine() -> str:
     threads = torch.get_num_threads()
-    return (f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return (f"{platform.machine()}, {os.cpu_count()} cores{gpu}, torch {torch.__version__}, "
             f"{threads} thread(s) per rank")
 
 

@@ -24,7 +24,11 @@ is the median of per-round ratios, with its spread and the verdict against 1.0
 measures only the bubbles (no torch peer; a section of its own), here on a model whose
 forward, input gradient and weight gradient cost alike (GEMMs dominate at hidden 1024
 and 32 tokens), which is what the closed forms assume; each schedule's measured bubble
-over its closed form per step, with the spread, against 1.10 for the V schedules.
+over its closed form per step, with the spread, against 1.10 for the V schedules. Where
+CUDA is present this mode runs on the GPUs (NCCL, one GPU a rank) with the passes timed
+by CUDA events (``parallelism.stream_timing: on``, which warns that no GPU run has
+validated it): written for a GPU machine, not yet run on one. The paired mode is CPU
+only (gloo; torch's stages are built on the CPU).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ import paraxis
 from paraxis import ParallelConfig, shutdown
 from paraxis.config.parallel import V_SCHEDULES
 from paraxis.parallel.split import stage_of
+from paraxis.runtime.world import init_distributed
 from paraxis_pp.deferred import uninstall_deferred
 from paraxis_pp.simulate import Timeline, replay, simulate, theoretical_bubble
 
@@ -77,9 +82,11 @@ def parse() -> argparse.Namespace:
 
 
 def engine_for(args, schedule: str, chunks: int = 1):
+    timing = {"stream_timing": "on"} if dist.get_backend() == "nccl" else {}
     config = ParallelConfig.from_kwargs(pipeline=dist.get_world_size(),
                                         microbatches=args.microbatches,
-                                        pipeline_schedule=schedule, virtual_stages=chunks)
+                                        pipeline_schedule=schedule, virtual_stages=chunks,
+                                        **timing)
     return paraxis.parallelize(build_llama(args), config=config,
                                train={"steps": 10**6, "lr": 1e-4, "warmup_steps": 0,
                                       "grad_clip": 1.0, "seq_length": args.seq})
@@ -135,7 +142,10 @@ def clip_across_stages(params: list[torch.nn.Parameter], max_norm: float) -> Non
 def main() -> None:
     args = parse()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo")
+    if args.bubbles_only:
+        init_distributed()  # NCCL on the GPUs where CUDA is present, else gloo
+    else:
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.bubbles_only:
         bubbles = measure_bubbles(args, {})
@@ -171,7 +181,7 @@ class Bubble(NamedTuple):
     measured: float
     closed: float  # core's paraxis.parallel.bubble: equal F, I and W costs
     simulated: float  # the simulator at the median costs measured per pass
-    p2p: float  # the part of the measured bubble spent handing messages to gloo
+    p2p: float  # the part of the measured bubble spent handing messages to gloo (host)
     replayed: float  # each step's own passes, replayed with nothing between them
     steps: list[float]  # each step's measured bubble
     replayed_steps: list[float]
@@ -257,8 +267,9 @@ def report_bubbles(args, world, bubbles) -> None:
         f"{args.bubble_steps}` (Llama from "
         f"config: hidden {args.hidden}, {args.layers} layers over {world} ranks: {world} "
         f"stages, {2 * world} in a V or interleaved; seq {args.seq}, batch {args.batch} in "
-        f"{args.microbatches} microbatches, gloo; {machine()}; per schedule {args.warmup} "
-        f"warm-up steps, then {args.bubble_steps} measured). At hidden {args.hidden} and "
+        f"{args.microbatches} microbatches, {dist.get_backend()}; {machine()}; per schedule "
+        f"{args.warmup} warm-up steps, then {args.bubble_steps} measured). At hidden "
+        f"{args.hidden} and "
         f"{args.seq} tokens GEMMs dominate, so a chunk's forward, input gradient and "
         "weight gradient cost about the same: what the closed forms (core's "
         "paraxis.parallel.bubble) assume. Simulated: the schedule at the median cost of "

@@ -8,7 +8,10 @@ here passing is what records a run for it. Skipped, one line each, without CUDA.
 * the MoE timers: the experts' forward timed on the stream agrees with the same work
   measured with the device drained around each call;
 * through ``parallelize``: ``parallelism.stream_timing: on`` warns once, and a step's
-  ``moe/`` seconds come back read from the events.
+  ``moe/`` seconds come back read from the events;
+* the pipeline's step timer (``paraxis_pp.measure``): a pass timed on the stream is read
+  as host seconds against the step's anchor, inside the host's drained window, as long
+  as the drained measurement of the same work.
 """
 
 from __future__ import annotations
@@ -130,3 +133,30 @@ def test_stream_timing_on_warns_once_and_times_a_step():
     # Forward and backward expert compute on the stream, inside the step (the step's
     # host time ends after the clip's norm is read back, so after the backward).
     assert 0.0 < metrics["moe/expert_compute_s"] <= metrics["step_time_s"], metrics
+
+
+@needs_cuda("the pipeline's step timer on the stream")
+def test_the_pipeline_timer_reads_a_stream_pass_as_host_seconds():
+    from paraxis_pp import Action
+    from paraxis_pp.measure import StepTimer
+
+    def sleep():
+        torch.cuda._sleep(SLEEP_CYCLES)
+
+    sleep()
+    torch.cuda.synchronize()
+    timer = StepTimer(Stopwatch(on_stream=True), torch.device("cuda"))
+    before = time.perf_counter()
+    timer.begin()
+    start = timer.mark()
+    sleep()
+    timer.record(Action("F", 0), start)
+    launched = time.perf_counter()
+    ((_, s, e),) = timer.seconds()  # waits for the events
+    after = time.perf_counter()
+    drained = synchronized_seconds(sleep, 3)
+    print(f"pass on the stream {(e - s) * 1e3:.2f} ms, drained {drained * 1e3:.2f} ms, "
+          f"launch {(launched - before) * 1e3:.3f} ms")
+    assert before <= s <= e <= after, (before, s, e, after)
+    assert close_in_time(e - s, drained), (e - s, drained)
+    assert launched - before < drained / 2  # the host only queued it

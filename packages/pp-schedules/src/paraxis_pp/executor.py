@@ -11,9 +11,10 @@ backward (B) or its weight gradient (W, after a split backward's I) has run. A s
 backward defers the linear layers' weight GEMMs from I to W (:mod:`paraxis_pp.deferred`)
 where a chunk allows it, else splits the graph with torch's helpers. Each action's
 compute time is recorded for the measured timeline (a W that ran a whole backward as
-the B it was), beside the mailbox's hand-overs to the transport between actions
-(posting receives, sending): the part of the measured bubble that is point-to-point,
-not waiting for another stage.
+the B it was; :mod:`paraxis_pp.measure`: the host clock, or CUDA events with stream
+timing), beside the mailbox's hand-overs to the transport between actions (posting
+receives, sending): the part of the measured bubble that is point-to-point, not waiting
+for another stage.
 
 Auxiliary-loss carries (:class:`paraxis.parallel.batch.AuxLosses`): when a strategy declared one,
 each forward sends, beside the hidden states, the sum of the stages' contributions so
@@ -23,17 +24,16 @@ gradient, so each stage resolves its exact auxiliary parts before its backward.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from paraxis.parallel.batch import Batch
 from paraxis.parallel.strategy import ApplyContext
+from paraxis.runtime.clock import Stopwatch
 from paraxis.runtime.differentiable import autocast_dtype
 from paraxis.runtime.grid import AxisGroup
 from paraxis.runtime.liveness import guard
@@ -41,6 +41,7 @@ from paraxis.runtime.world import device_for_rank
 from paraxis_pp.actions import Action, Schedule
 from paraxis_pp.deferred import DeferredWeights
 from paraxis_pp.mailbox import Mailbox
+from paraxis_pp.measure import StepTimer
 from paraxis_pp.simulate import Timeline
 
 __all__ = ["PipelineRunner"]
@@ -70,6 +71,11 @@ def _split_backward() -> tuple[Any, Any]:
 # NCCL, whose receives hold the stream they are posted on.
 RECEIVES_AHEAD = 2
 RECEIVES_AHEAD_HOST = 8
+
+
+# Said by the run summary where the passes ran on a device but were timed on the host.
+HOST_CLOCK = (", timed on the host clock: launch times, not the device's "
+              "(parallelism.stream_timing: on times the stream)")
 
 
 @dataclass
@@ -107,8 +113,8 @@ class PipelineRunner:
         self.device = next(p for c in chunks for p in c.parameters()).device
         if self.device.type == "meta":  # weights read after the split (from_pretrained)
             self.device = device_for_rank()
-        # (action, start, end) in the machine's monotonic clock, shared by local ranks.
-        self.timeline: list[tuple[Action, float, float]] = []
+        # Each action's (start, end) this step, on the run's clock.
+        self.timer = StepTimer(Stopwatch(on_stream=ctx.grid.comm.on_stream), self.device)
         self.mail = Mailbox(group, schedule, self.device)
         # (microbatch, chunk) whose backward is split; chunks among them defer the linear
         # layers' weight GEMMs to W. Stage 0 too: it has no input gradient to send, but
@@ -164,7 +170,7 @@ class PipelineRunner:
         st = _Step(microbatches, loss_fn, scale, train, aux_scale,
                    carrying=train and self.ctx.aux_losses.carry_size > 0,
                    total=torch.zeros((), dtype=torch.float64, device=self.device))
-        self.timeline = []
+        self.timer.begin()
         # Under bf16/fp16 hidden states and their gradients cross stages in that dtype
         # (half the bytes; one rounding more, as the residual stream is fp32).
         with self.ctx.forward_context():
@@ -181,14 +187,14 @@ class PipelineRunner:
                 elif a.kind in ("B", "I"):
                     self._backward_action(a, st)
                 else:  # W: weight gradients of a split backward
-                    start = time.perf_counter()
+                    start = self.timer.mark()
                     key = (a.mb, a.chunk)
                     saved = st.grads.pop(key)
                     self._weight_grads(key, st.outputs[key], saved)
                     # A W that ran the whole backward (torch's split on stage 0, or no
                     # split helpers at all) is recorded as the B it was.
-                    self._record(a if saved[0] != "full" else Action("B", a.mb, a.chunk),
-                                 start)
+                    self.timer.record(a if saved[0] != "full" else Action("B", a.mb, a.chunk),
+                                      start)
                     st.inputs.pop(key), st.outputs.pop(key)
         with guard(self.group, "send"):
             for work in st.sends:
@@ -204,7 +210,7 @@ class PipelineRunner:
             x.requires_grad_(True)
         if (store := self.deferred[a.chunk]) is not None:
             store.recording = st.train and key in self._split
-        start = time.perf_counter()
+        start = self.timer.mark()
         with self.ctx.forward_context():
             out = self.chunks[a.chunk](x, **mb.model_kwargs(), **self.forward_kwargs)
         aux = self._forward_aux(key, stage, st)
@@ -212,7 +218,7 @@ class PipelineRunner:
             loss_sum, _ = st.loss_fn(out, mb.targets)
             st.total += loss_sum.detach().double()
             out = loss_sum * st.scale.to(loss_sum.dtype) + aux if st.train else out
-        self._record(a, start)
+        self.timer.record(a, start)
         if stage < s.stages - 1:
             st.sends += self._send(out.detach(), stage + 1, "F", a.mb, stage)
             if st.carrying:
@@ -228,10 +234,10 @@ class PipelineRunner:
         grad = None if last else self._recv(outs[0].shape, stage + 1, "B", a.mb, stage + 1)
         if st.carrying and not last:
             outs += self._backward_aux(key, stage, st)
-        start = time.perf_counter()
+        start = self.timer.mark()
         x_grad = self._backward(key, outs, grad, st, stage, whole=a.kind == "B")
         if not (a.kind == "I" and stage == 0 and st.grads[key][0] == "full"):
-            self._record(a, start)  # else an I that did nothing: the whole backward is W's
+            self.timer.record(a, start)  # else an I that did nothing: the whole backward is W's
         if stage > 0:
             st.sends += self._send(x_grad, stage - 1, "B", a.mb, stage)
         if st.carrying:
@@ -329,9 +335,6 @@ class PipelineRunner:
         elif value:
             torch.autograd.backward([o for o, _ in value], [g for _, g in value])
 
-    def _record(self, a: Action, start: float) -> None:
-        self.timeline.append((a, start, time.perf_counter()))
-
     def measured_svg(self) -> tuple[str, str]:
         """(SVG picture, one-line summary) of this step's measured timeline, with the
         measured bubble, its p2p part, the bubble its passes make alone (replayed with
@@ -341,18 +344,16 @@ class PipelineRunner:
 
         t = self.measured()
         stages = "; ".join(stage_times(t, self.schedule))
-        line = (f"pipeline {self.schedule.name}: measured bubble {t.bubble:.3f} (p2p "
-                f"{t.handing_share:.3f} of it, its passes alone "
-                f"{replay(self.schedule, t).bubble:.3f}), theory "
+        p2p = f"p2p {t.handing_share:.3f} of it, " if any(t.transfers) else ""
+        line = (f"pipeline {self.schedule.name}: measured bubble {t.bubble:.3f} ({p2p}its "
+                f"passes alone {replay(self.schedule, t).bubble:.3f}), theory "
                 f"{theoretical_bubble(self.schedule):.3f} (p={self.schedule.ranks}, "
-                f"m={self.schedule.microbatches}, v={self.schedule.chunks}); {stages}")
+                f"m={self.schedule.microbatches}, v={self.schedule.chunks})"
+                f"{HOST_CLOCK if self.timer.on_host_clock_of_a_device else ''}; {stages}")
         return render_svg(t), line
 
     def measured(self) -> Timeline:
-        """This step's timeline gathered from every stage (collective over the group)."""
-        rows: list[Any] = [None] * self.group.size
-        dist.all_gather_object(rows, (self.timeline, self.mail.transfers),
-                               group=self.group.pg)
-        return Timeline(self.group.size, tuple(tuple(r[0]) for r in rows),
-                        f"{self.schedule.name} (measured)",
-                        transfers=tuple(tuple(r[1]) for r in rows))
+        """This step's timeline gathered from every stage on one clock (collective over
+        the group)."""
+        return self.timer.gather(self.group, self.mail.transfers,
+                                 f"{self.schedule.name} (measured)")

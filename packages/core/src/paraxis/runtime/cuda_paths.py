@@ -64,8 +64,9 @@ CUDA_PATHS: dict[str, CudaPath] = {p.name: p for p in (
              "tests/test_moe_dispatch_overlap.py with NCCL on 2 GPUs (not in nox -s gpu)"),
     CudaPath("stream_timing", "parallelism.stream_timing: on",
              "seconds read from CUDA events on the compute stream: core's exposed "
-             "communication (exposed_comm_s, comm/<axes>_exposed_s) and the MoE timers "
-             "(moe/dispatch_s, a2a_span_s, expert_compute_s)",
+             "communication (exposed_comm_s, comm/<axes>_exposed_s), the MoE timers "
+             "(moe/dispatch_s, a2a_span_s, expert_compute_s) and the pipeline's measured "
+             "timeline (paraxis_pp.measure)",
              "nox -s gpu: tests/gpu/test_gpu_timing.py"),
 )}
 
