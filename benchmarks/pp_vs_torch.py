@@ -78,6 +78,9 @@ def parse() -> argparse.Namespace:
                    help="steps whose measured bubble is taken (median) per schedule")
     p.add_argument("--bubbles-only", action="store_true",
                    help="only the measured bubbles, in a section of their own")
+    p.add_argument("--pin-cores", action="store_true",
+                   help="with --bubbles-only: each rank on a core of its own (its local "
+                        "rank's), its own section")
     return p.parse_args()
 
 
@@ -143,6 +146,8 @@ def main() -> None:
     args = parse()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if args.bubbles_only:
+        if args.pin_cores:  # no migration between cores: the passes' spread narrows
+            os.sched_setaffinity(0, {int(os.environ["LOCAL_RANK"]) % os.cpu_count()})
         init_distributed()  # NCCL on the GPUs where CUDA is present, else gloo
     else:
         dist.init_process_group("gloo")
@@ -244,6 +249,8 @@ def report_bubbles(args, world, bubbles) -> None:
     bubble each step's passes make alone (replayed with nothing between them), which no
     executor can go below."""
     rows, lines, verdicts = [], [], {}
+    pinned = "--pin-cores " if args.pin_cores else ""
+    where = "each rank on a core of its own; " if pinned else ""
     for b in bubbles:
         target = BUBBLE_TARGET if b.name in PAIRS and b.name != "1f1b" else None
         ratio = summary([v / b.closed for v in b.steps], target)
@@ -260,11 +267,12 @@ def report_bubbles(args, world, bubbles) -> None:
                       ratio_line(f"{SHOWN[b.name]}: its passes alone (replayed) / closed "
                                  "form", alone, bold=False, unit="steps")]
     table = "\n".join([
-        "## Pipeline bubbles where F, I and W cost alike: measured against the closed form",
+        "## Pipeline bubbles where F, I and W cost alike: measured against the closed form"
+        + (", each rank on a core of its own" if pinned else ""),
         "",
         f"`torchrun --nproc-per-node {world} benchmarks/pp_vs_torch.py --bubbles-only "
-        f"--hidden {args.hidden} --seq {args.seq} --layers {args.layers} --bubble-steps "
-        f"{args.bubble_steps}` (Llama from "
+        f"{pinned}--hidden {args.hidden} --seq {args.seq} --layers {args.layers} "
+        f"--bubble-steps {args.bubble_steps}` ({where}Llama from "
         f"config: hidden {args.hidden}, {args.layers} layers over {world} ranks: {world} "
         f"stages, {2 * world} in a V or interleaved; seq {args.seq}, batch {args.batch} in "
         f"{args.microbatches} microbatches, {dist.get_backend()}; {machine()}; per schedule "
@@ -287,9 +295,9 @@ def report_bubbles(args, world, bubbles) -> None:
     ])
     print(table)
     if not args.no_write:
-        write_section("pp_bubbles", table, {"args": vars(args),
-                                            "bubbles": [b._asdict() for b in bubbles],
-                                            "verdicts": verdicts})
+        write_section("pp_bubbles_pinned" if pinned else "pp_bubbles", table,
+                      {"args": vars(args), "bubbles": [b._asdict() for b in bubbles],
+                       "verdicts": verdicts})
 
 
 TORCH_NAMES = {"1f1b": "Schedule1F1B", "zbv": "ScheduleZBVZeroBubble",
