@@ -62,6 +62,8 @@ def _one_step(case):
         before = time.perf_counter()
         engine.train_step(torch.randint(0, CFG.vocab_size, (8, CFG.seq_length)))
         after = time.perf_counter()
+        if case == "eval":  # forwards only, 2 microbatches: not the schedule's step
+            engine.eval_step(torch.randint(0, CFG.vocab_size, (4, CFG.seq_length)))
         timeline = runner.measured()
         _, line = runner.measured_svg()
     finally:
@@ -112,3 +114,14 @@ def test_passes_on_a_device_timed_on_the_host_are_said_to_be_launches(device, sa
     assert not on_stream.on_host_clock_of_a_device
     assert "launch times" in HOST_CLOCK and "stream_timing" in HOST_CLOCK
 
+
+
+def test_an_evaluation_leaves_the_last_training_steps_timeline(worlds):
+    """An evaluation after the training step runs forwards only (not the schedule): the
+    summary keeps the training step's timeline, the one its theory and replay are of
+    (the run summary of a run that evaluated had raised in the replay)."""
+    (before, after, timeline, line), _ = worlds.run(2, _one_step, "eval")
+    assert _inside(timeline, before, after), timeline
+    assert [sorted({a.kind for a, _, _ in row}) for row in timeline.entries] == [["B", "F"]] * 2
+    assert all(len(row) == 8 for row in timeline.entries)
+    assert all(timeline.transfers) and "its passes alone" in line, line

@@ -43,7 +43,7 @@ def paraxis_pipeline_bubble(schedule: str, stages: int, microbatches: int,
 
 @hookimpl
 def paraxis_summarize_run(ctx: ApplyContext, history: list[dict[str, float]]) -> Any:
-    """The last step's measured timeline (SVG) and its bubble against theory.
+    """The last training step's measured timeline (SVG) and its bubble against theory.
     Collective over the pipeline group."""
     from paraxis.parallel.summary import RunReport
     from paraxis_pp.executor import PipelineRunner

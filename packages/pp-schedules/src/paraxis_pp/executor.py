@@ -170,7 +170,7 @@ class PipelineRunner:
         st = _Step(microbatches, loss_fn, scale, train, aux_scale,
                    carrying=train and self.ctx.aux_losses.carry_size > 0,
                    total=torch.zeros((), dtype=torch.float64, device=self.device))
-        self.timer.begin()
+        self.timer.begin(train)
         # Under bf16/fp16 hidden states and their gradients cross stages in that dtype
         # (half the bytes; one rounding more, as the residual stream is fp32).
         with self.ctx.forward_context():
@@ -199,6 +199,7 @@ class PipelineRunner:
         with guard(self.group, "send"):
             for work in st.sends:
                 work.wait()
+        self.timer.end(self.mail.transfers)
         return st.total
 
     def _forward_action(self, a: Action, st: _Step) -> None:
@@ -336,7 +337,8 @@ class PipelineRunner:
             torch.autograd.backward([o for o, _ in value], [g for _, g in value])
 
     def measured_svg(self) -> tuple[str, str]:
-        """(SVG picture, one-line summary) of this step's measured timeline, with the
+        """(SVG picture, one-line summary) of the last training step's measured timeline
+        (an evaluation's forwards are not the schedule), with the
         measured bubble, its p2p part, the bubble its passes make alone (replayed with
         nothing between them) and theory. Collective over the pipeline group."""
         from paraxis_pp.simulate import replay, theoretical_bubble
@@ -353,7 +355,6 @@ class PipelineRunner:
         return render_svg(t), line
 
     def measured(self) -> Timeline:
-        """This step's timeline gathered from every stage on one clock (collective over
-        the group)."""
-        return self.timer.gather(self.group, self.mail.transfers,
-                                 f"{self.schedule.name} (measured)")
+        """The last training step's timeline gathered from every stage on one clock
+        (collective over the group)."""
+        return self.timer.gather(self.group, f"{self.schedule.name} (measured)")

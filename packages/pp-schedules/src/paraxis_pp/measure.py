@@ -33,26 +33,39 @@ __all__ = ["StepTimer"]
 
 
 class StepTimer:
-    """Records this rank's actions of one step (:meth:`begin` at its start, :meth:`mark`
-    before an action, :meth:`record` after it) and gathers the pipeline's timeline."""
+    """Records this rank's actions of one training step (:meth:`begin` at its start,
+    :meth:`mark` before an action, :meth:`record` after it, :meth:`end` with the
+    mailbox's hand-overs) and gathers the pipeline's timeline. An evaluation step runs
+    forwards only, not the schedule: it leaves the last training step's timeline be."""
 
     def __init__(self, watch: Stopwatch, device: torch.device):
         self.watch, self.device = watch, device
+        self.recording = False
         self.entries: list[tuple[Action, Any, Any]] = []
+        self.transfers: list[tuple[float, float]] = []
         self._anchor: tuple[float, Any] | None = None
 
-    def begin(self) -> None:
-        self.entries = []
+    def begin(self, training: bool) -> None:
+        self.recording = training
+        if not training:
+            return
+        self.entries, self.transfers = [], []
         if self.watch.on_stream:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the anchor event runs at once
             self._anchor = (time.perf_counter(), self.watch.mark())
 
     def mark(self) -> Any:
-        return self.watch.mark()
+        return self.watch.mark() if self.recording else None
 
     def record(self, a: Action, start: Any) -> None:
-        self.entries.append((a, start, self.watch.mark()))
+        if self.recording:
+            self.entries.append((a, start, self.watch.mark()))
+
+    def end(self, transfers: list[tuple[float, float]]) -> None:
+        """The step's hand-overs to the transport (host spans: none on the stream)."""
+        if self.recording and not self.watch.on_stream:
+            self.transfers = list(transfers)
 
     def seconds(self) -> list[tuple[Action, float, float]]:
         """This rank's entries in host seconds (on the stream: waits for their events)."""
@@ -67,16 +80,14 @@ class StepTimer:
         """Timed on the host while the passes run on a device: launch times."""
         return not self.watch.on_stream and self.device.type not in ("cpu", "meta")
 
-    def gather(self, group: AxisGroup, transfers: list[tuple[float, float]],
-               name: str) -> Timeline:
-        """The step's timeline from every rank of ``group`` on one clock (collective)."""
-        if self.watch.on_stream:
-            transfers = []  # host spans beside stream times: not comparable
+    def gather(self, group: AxisGroup, name: str) -> Timeline:
+        """The last training step's timeline from every rank of ``group`` on one clock
+        (collective)."""
         dist.barrier(group=group.pg)
         now = time.perf_counter()
         rows: list[Any] = [None] * group.size
-        dist.all_gather_object(rows, (self.seconds(), transfers, socket.gethostname(), now),
-                               group=group.pg)
+        dist.all_gather_object(rows, (self.seconds(), self.transfers, socket.gethostname(),
+                                      now), group=group.pg)
         first_host, first_now = rows[0][2], rows[0][3]
         shift = [0.0 if host == first_host else first_now - clock
                  for _, _, host, clock in rows]
