@@ -149,15 +149,13 @@ def main() -> None:
         if args.pin_cores:  # no migration between cores: the passes' spread narrows
             os.sched_setaffinity(0, {int(os.environ["LOCAL_RANK"]) % os.cpu_count()})
         init_distributed()  # NCCL on the GPUs where CUDA is present, else gloo
-    else:
-        dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if args.bubbles_only:
         bubbles = measure_bubbles(args, {})
-        if rank == 0:
-            report_bubbles(args, world, bubbles)
+        if dist.get_rank() == 0:
+            report_bubbles(args, dist.get_world_size(), bubbles)
         shutdown()
         return
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
     ours = {name: engine_for(args, name, chunks) for name, (chunks, _) in PAIRS.items()}
     theirs = {name: TorchPipeline(args, name) for name in PAIRS}
     g = torch.Generator().manual_seed(0)
@@ -277,9 +275,8 @@ def report_bubbles(args, world, bubbles) -> None:
         f"stages, {2 * world} in a V or interleaved; seq {args.seq}, batch {args.batch} in "
         f"{args.microbatches} microbatches, {dist.get_backend()}; {machine()}; per schedule "
         f"{args.warmup} warm-up steps, then {args.bubble_steps} measured). At hidden "
-        f"{args.hidden} and "
-        f"{args.seq} tokens GEMMs dominate, so a chunk's forward, input gradient and "
-        "weight gradient cost about the same: what the closed forms (core's "
+        f"{args.hidden} and {args.seq} tokens GEMMs dominate, so a chunk's forward, input "
+        "gradient and weight gradient cost about the same: what the closed forms (core's "
         "paraxis.parallel.bubble) assume. Simulated: the schedule at the median cost of "
         "each kind of pass. Its passes alone: each step's schedule replayed on that "
         "step's own pass durations with nothing between them (paraxis_pp.replay), so "

@@ -109,9 +109,9 @@ def test_ranks_on_other_hosts_are_moved_onto_the_first_ranks_clock(worlds):
 def test_passes_on_a_device_timed_on_the_host_are_said_to_be_launches(device, said):
     """A device's passes timed on the host clock measure their launch: the run summary
     says so (HOST_CLOCK) unless stream timing is on."""
-    assert StepTimer(Stopwatch(), torch.device(device)).on_host_clock_of_a_device == said
+    assert StepTimer(Stopwatch(), torch.device(device)).times_launches == said
     on_stream = StepTimer(Stopwatch(on_stream=True), torch.device(device))
-    assert not on_stream.on_host_clock_of_a_device
+    assert not on_stream.times_launches
     assert "launch times" in HOST_CLOCK and "stream_timing" in HOST_CLOCK
 
 

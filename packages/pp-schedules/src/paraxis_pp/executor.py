@@ -42,7 +42,8 @@ from paraxis_pp.actions import Action, Schedule
 from paraxis_pp.deferred import DeferredWeights
 from paraxis_pp.mailbox import Mailbox
 from paraxis_pp.measure import StepTimer
-from paraxis_pp.simulate import Timeline
+from paraxis_pp.simulate import Timeline, replay, theoretical_bubble
+from paraxis_pp.timeline import render_svg, stage_times
 
 __all__ = ["PipelineRunner"]
 
@@ -341,9 +342,6 @@ class PipelineRunner:
         (an evaluation's forwards are not the schedule), with the
         measured bubble, its p2p part, the bubble its passes make alone (replayed with
         nothing between them) and theory. Collective over the pipeline group."""
-        from paraxis_pp.simulate import replay, theoretical_bubble
-        from paraxis_pp.timeline import render_svg, stage_times
-
         t = self.measured()
         stages = "; ".join(stage_times(t, self.schedule))
         p2p = f"p2p {t.handing_share:.3f} of it, " if any(t.transfers) else ""
@@ -351,7 +349,7 @@ class PipelineRunner:
                 f"passes alone {replay(self.schedule, t).bubble:.3f}), theory "
                 f"{theoretical_bubble(self.schedule):.3f} (p={self.schedule.ranks}, "
                 f"m={self.schedule.microbatches}, v={self.schedule.chunks})"
-                f"{HOST_CLOCK if self.timer.on_host_clock_of_a_device else ''}; {stages}")
+                f"{HOST_CLOCK if self.timer.times_launches else ''}; {stages}")
         return render_svg(t), line
 
     def measured(self) -> Timeline:

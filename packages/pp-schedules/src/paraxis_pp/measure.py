@@ -76,7 +76,7 @@ class StepTimer:
                 for a, s, e in self.entries]
 
     @property
-    def on_host_clock_of_a_device(self) -> bool:
+    def times_launches(self) -> bool:
         """Timed on the host while the passes run on a device: launch times."""
         return not self.watch.on_stream and self.device.type not in ("cpu", "meta")
 

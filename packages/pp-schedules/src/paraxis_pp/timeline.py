@@ -69,10 +69,9 @@ def stage_times(t: Timeline, schedule: Schedule) -> list[str]:
     apart: ``B+W`` is a whole backward (a B action: the runner records a W that ran the
     whole backward, as on a first stage without deferred weight GEMMs, as the B it
     was), ``I`` the input-gradient and ``W`` the weight-gradient pass of a split
-    backward. A column never stands for a
-    pass that was not measured (issue 32: stage 0 printed "B 0 ms"). ``p2p`` is the
-    part of the idle time a measured rank spent handing messages to the transport
-    (posting receives, sending)."""
+    backward. A column never stands for a pass that was not measured (issue 32: stage 0
+    printed "B 0 ms"). ``p2p`` is the part of the idle time a measured rank spent
+    handing messages to the transport (posting receives, sending)."""
     out = []
     for r, row in enumerate(t.entries):
         sums: dict[str, float] = {}
